@@ -1,0 +1,73 @@
+"""Building a :class:`CheckpointIndex` from a checkpoint on disk.
+
+``load_index`` is the one entry point: it decides the format from the path, lets the format
+reader (``_safetensors_index`` or ``_gguf_index``) find every expert tensor from the file
+headers alone, and hands the result to ``_index_build.build_index``, which validates it and
+lays each expert out as coalesced read extents. No tensor data is read or mapped, so
+indexing a checkpoint of any size costs a few header reads.
+
+It is synchronous on purpose: the store runs it once, in a worker thread
+(``asyncio.to_thread``). Every problem is a :class:`CheckpointError` naming the path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from iosched import _gguf_index, _safetensors_index
+from iosched._errors import CheckpointError
+from iosched._index_build import build_index
+from iosched._layout import CheckpointIndex
+
+__all__ = ["load_index"]
+
+
+def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
+    """Index the expert tensors of ``source``.
+
+    ``source`` is one of:
+
+    * a folder of safetensors shards, with or without ``model.safetensors.index.json``
+      (with it, its ``weight_map`` decides which shard holds which tensor);
+    * a single ``.safetensors`` file;
+    * a ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no safetensors.
+
+    Raises :class:`CheckpointError` when the path is none of these, a file is missing or
+    malformed, or no expert tensor is found.
+    """
+    path = Path(os.fspath(source))
+    root = os.path.abspath(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        return _load_folder(path, root)
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return build_index("safetensors", root, _safetensors_index.index_file(path))
+        if path.suffix == ".gguf":
+            return build_index("gguf", root, _gguf_index.index_gguf(path))
+    raise CheckpointError(
+        f"checkpoint {path} is not a .safetensors file, a .gguf file or a folder of them"
+    )
+
+
+def _load_folder(folder: Path, root: str) -> CheckpointIndex:
+    has_safetensors = _safetensors_index.find_index_json(folder) is not None or any(
+        p.is_file() for p in folder.glob("*.safetensors")
+    )
+    if has_safetensors:
+        return build_index("safetensors", root, _safetensors_index.index_folder(folder))
+    ggufs = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return build_index("gguf", root, _gguf_index.index_gguf(ggufs[0]))
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise CheckpointError(
+            f"checkpoint folder {folder} holds {len(ggufs)} .gguf files ({names}); "
+            "pass the one to use"
+        )
+    raise CheckpointError(
+        f"checkpoint folder {folder} holds no checkpoint: no *.safetensors, "
+        f"no {_safetensors_index.INDEX_JSON} and no *.gguf"
+    )

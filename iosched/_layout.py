@@ -1,0 +1,79 @@
+"""What a checkpoint index is: where each expert's bytes live, and how they are typed.
+
+Invariants (checked by the index builders in ``_checkpoint``):
+
+* ``ExpertLayout.tensors`` are in on-disk order, that is by (file, offset);
+* ``ExpertLayout.extents`` cover exactly the tensors' bytes, in the same order, with
+  byte-adjacent tensors of one file coalesced into one extent (one read request);
+* ``TensorSpec.buf_offset`` is where the tensor starts in the expert's buffer, which holds
+  the extents back to back, so ``buf_offset`` runs from 0 to ``nbytes`` without gaps;
+* every extent lies inside its file (``offset + length <= file size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+ExpertKey = tuple[int, int]
+"""(layer, expert)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of an expert: its canonical name, type, shape and place on disk."""
+
+    name: str
+    """Canonical role: ``gate_proj``, ``up_proj``, ``down_proj`` (other tensors keep their suffix)."""
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    file: int
+    """Index into ``CheckpointIndex.files``."""
+    offset: int
+    """Absolute byte offset in the file."""
+    nbytes: int
+    buf_offset: int
+    """Where the tensor starts inside the expert's buffer."""
+    source_name: str = ""
+    """The tensor's name in the checkpoint (for error messages)."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One read request: ``length`` bytes at ``offset`` of file ``file``."""
+
+    file: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    key: ExpertKey
+    tensors: tuple[TensorSpec, ...]
+    extents: tuple[Extent, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    format: str
+    """``"safetensors"`` or ``"gguf"``."""
+    root: str
+    """The folder or file the index was built from."""
+    files: tuple[str, ...]
+    """Absolute paths of the files holding expert bytes."""
+    file_sizes: tuple[int, ...]
+    experts: Mapping[ExpertKey, ExpertLayout] = field(repr=False)
+
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.experts})
+
+    def expert_bytes_by_layer(self) -> dict[int, int]:
+        """The largest expert of each layer, in bytes."""
+        out: dict[int, int] = {}
+        for (layer, _), lay in self.experts.items():
+            out[layer] = max(out.get(layer, 0), lay.nbytes)
+        return out

@@ -1,0 +1,278 @@
+"""Finding expert tensors in safetensors shards, from their headers alone.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON + the data section; each
+tensor's ``data_offsets`` ``[begin, end)`` are relative to the data section, which starts at
+byte ``8 + N``. We parse the header ourselves instead of calling ``safetensors.safe_open``:
+we need byte offsets, which the library does not expose, and we must never map or load the
+tensors, which can be hundreds of gigabytes.
+
+Every header is validated in full (shape against byte size, bounds, overlaps), not just its
+expert entries: a header that lies about one tensor cannot be trusted about the others.
+
+Data types: ``BF16`` maps to ``ml_dtypes.bfloat16`` and ``F8_E4M3``/``F8_E5M2`` to the
+``ml_dtypes`` float8 types when ``ml_dtypes`` is importable; without it they map to
+``np.uint16`` / ``np.uint8`` of the same width, so the bytes (and the buffer layout) are
+identical and the caller reinterprets them. Any other unknown dtype on an expert tensor is a
+:class:`CheckpointError`; on a non-expert tensor it is tolerated (we never read it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from iosched._errors import CheckpointError
+from iosched._index_build import RawExpertTensor, check_in_file, check_no_overlap
+
+INDEX_JSON = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+"""The same cap the safetensors library applies; a larger length is a corrupt file."""
+
+_EXPERT_RE = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)")
+_CANONICAL = {
+    "gate_proj.weight": "gate_proj",
+    "up_proj.weight": "up_proj",
+    "down_proj.weight": "down_proj",
+    # Mixtral: w1 is the gate, w3 the up projection, w2 the down projection.
+    "w1.weight": "gate_proj",
+    "w3.weight": "up_proj",
+    "w2.weight": "down_proj",
+}
+
+_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8,
+}  # fmt: skip
+
+
+def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
+    out: dict[str, np.dtype[Any]] = {
+        "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+        "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
+        "I8": np.dtype("i1"), "U64": np.dtype("<u8"), "U32": np.dtype("<u4"),
+        "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+        "C64": np.dtype("<c8"),
+        "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
+    }  # fmt: skip
+    try:  # optional: exact types for bf16/fp8; same widths either way
+        ml_dtypes: Any = importlib.import_module("ml_dtypes")
+    except ImportError:
+        return out
+    out["BF16"] = np.dtype(ml_dtypes.bfloat16)
+    out["F8_E4M3"] = np.dtype(ml_dtypes.float8_e4m3fn)
+    out["F8_E5M2"] = np.dtype(ml_dtypes.float8_e5m2)
+    return out
+
+
+NUMPY_DTYPES = _numpy_dtypes()
+"""safetensors dtype string -> numpy dtype (see the module docstring for BF16/F8)."""
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors header, with absolute byte offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def find_index_json(folder: Path) -> Path | None:
+    """The folder's ``*.safetensors.index.json``: ``model.safetensors.index.json`` if present,
+    else the only one; ``None`` when there is none. Several candidates are ambiguous."""
+    preferred = folder / INDEX_JSON
+    if preferred.is_file():
+        return preferred
+    candidates = sorted(p for p in folder.glob("*.safetensors.index.json") if p.is_file())
+    if len(candidates) > 1:
+        names = ", ".join(p.name for p in candidates)
+        raise CheckpointError(f"{folder}: several safetensors index files ({names}); expected one")
+    return candidates[0] if candidates else None
+
+
+def index_folder(folder: Path) -> list[RawExpertTensor]:
+    """Expert tensors of a folder of shards.
+
+    With an index json its ``weight_map`` is authoritative: only the shards it names are
+    read, each must exist, and each tensor it lists must be in that shard's header. Without
+    one, every ``*.safetensors`` file is read (sorted), and a tensor name may occur only once.
+    """
+    index_json = find_index_json(folder)
+    if index_json is not None:
+        return _index_with_weight_map(folder, index_json)
+    shards = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    raws: list[RawExpertTensor] = []
+    where: dict[str, Path] = {}
+    for shard in shards:
+        for entry in read_header(shard):
+            first = where.setdefault(entry.name, shard)
+            if first != shard:
+                raise CheckpointError(
+                    f"tensor {entry.name!r} is in both {first} and {shard}; add a "
+                    f"{INDEX_JSON} to say which one counts"
+                )
+            raw = _expert_tensor(shard, entry)
+            if raw is not None:
+                raws.append(raw)
+    return raws
+
+
+def index_file(path: Path) -> list[RawExpertTensor]:
+    """Expert tensors of a single ``.safetensors`` file."""
+    raws = (_expert_tensor(path, entry) for entry in read_header(path))
+    return [r for r in raws if r is not None]
+
+
+def read_header(path: Path) -> list[HeaderEntry]:
+    """Parse and validate the header of ``path``; raises :class:`CheckpointError` naming it.
+
+    Checks: the length prefix fits in the file and under :data:`MAX_HEADER_BYTES`; the JSON
+    is an object of well-formed entries; a known dtype's byte size equals
+    ``prod(shape) * itemsize``; every tensor lies inside the file; no two tensors overlap.
+    """
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if size < 8 or len(prefix) < 8:
+                raise CheckpointError(
+                    f"{path}: {size} bytes is too short to be a safetensors file "
+                    "(no 8-byte header length)"
+                )
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header: header length {n} is absurd "
+                    f"(file is {size} bytes, limit {MAX_HEADER_BYTES})"
+                )
+            blob = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
+    if len(blob) != n:
+        raise CheckpointError(f"{path}: header cut short ({len(blob)} of {n} bytes)")
+    try:
+        header = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header, not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object"
+        )
+
+    data_start = 8 + n
+    entries = [
+        _parse_entry(path, name, value, data_start)
+        for name, value in header.items()
+        if name != "__metadata__"
+    ]
+    for e in entries:
+        check_in_file(str(path), size, e.name, e.offset, e.nbytes)
+    check_no_overlap(str(path), [(e.offset, e.nbytes, e.name) for e in entries])
+    return entries
+
+
+def _parse_entry(path: Path, name: str, value: object, data_start: int) -> HeaderEntry:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: {what}")
+
+    if not isinstance(value, dict):
+        raise bad(f"entry is a JSON {type(value).__name__}, not an object")
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad(f"dtype {dtype!r} is not a string")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    begin, end = int(offsets[0]), int(offsets[1])
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is not None:
+        expected = math.prod(shape) * itemsize
+        if end - begin != expected:
+            raise bad(
+                f"data_offsets [{begin}, {end}) hold {end - begin} bytes but shape {shape} "
+                f"of {dtype} needs {expected}"
+            )
+    return HeaderEntry(
+        name=name, dtype=dtype, shape=tuple(shape), offset=data_start + begin, nbytes=end - begin
+    )
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _expert_tensor(path: Path, entry: HeaderEntry) -> RawExpertTensor | None:
+    """The entry as an expert tensor, or ``None`` for a non-expert tensor."""
+    m = _EXPERT_RE.fullmatch(entry.name)
+    if m is None:
+        return None
+    dtype = NUMPY_DTYPES.get(entry.dtype)
+    if dtype is None:
+        known = ", ".join(sorted(NUMPY_DTYPES))
+        raise CheckpointError(
+            f"{path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r} "
+            f"(supported: {known})"
+        )
+    suffix = m.group(3)
+    return RawExpertTensor(
+        layer=int(m.group(1)),
+        expert=int(m.group(2)),
+        name=_CANONICAL.get(suffix, suffix),
+        source_name=entry.name,
+        dtype=dtype,
+        shape=entry.shape,
+        path=os.path.abspath(path),
+        offset=entry.offset,
+        nbytes=entry.nbytes,
+    )
+
+
+def _index_with_weight_map(folder: Path, index_json: Path) -> list[RawExpertTensor]:
+    try:
+        doc = json.loads(index_json.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {index_json}: {exc}") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{index_json}: no 'weight_map' object of tensor name -> shard file")
+
+    headers: dict[str, dict[str, HeaderEntry]] = {}
+    for shard_name in sorted(set(weight_map.values())):
+        shard = folder / shard_name
+        if not shard.is_file():
+            raise CheckpointError(
+                f"shard {shard_name} named in {index_json} is missing (looked for {shard})"
+            )
+        headers[shard_name] = {e.name: e for e in read_header(shard)}
+
+    raws: list[RawExpertTensor] = []
+    for tensor, shard_name in weight_map.items():
+        entry = headers[shard_name].get(tensor)
+        if entry is None:
+            raise CheckpointError(
+                f"tensor {tensor!r} is listed in {index_json} as being in {shard_name}, "
+                f"but {folder / shard_name} has no such tensor"
+            )
+        raw = _expert_tensor(folder / shard_name, entry)
+        if raw is not None:
+            raws.append(raw)
+    return raws

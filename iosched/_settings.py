@@ -1,0 +1,106 @@
+"""Settings: one table, an ``IOSCHED_*`` environment default for each, a runtime override.
+
+Modelled on kvikio's ``defaults``: every knob has an environment variable, read once when
+first needed, and :func:`override` changes it at run time for a ``with`` block (tests, the
+benchmark sweeps).  ``docs/settings.md`` is generated from :data:`SETTINGS` by
+``tools/settings_doc.py`` so the table and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from ._errors import StoreError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {text!r}")
+        return text
+
+    return parse
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "backend", "IOSCHED_BACKEND", "auto", _choice("auto", "pread", "odirect", "mmap", "uring"),
+            "Read backend used when `ExpertStore.open(backend=None)`.",
+        ),
+        Setting(
+            "policy", "IOSCHED_POLICY", "default", str,
+            "Residency policy used when `ExpertStore.open(policy=None)`.",
+        ),
+        Setting(
+            "pread_threads", "IOSCHED_PREAD_THREADS", 16, _positive_int,
+            "Worker threads of the `pread` backend: the most reads in flight at once. "
+            "16 covers the queue depth at which one NVMe drive reaches its sequential "
+            "bandwidth for 1-4 MiB reads (about 8, see docs/benchmarks.md) with room for two drives.",
+        ),
+        Setting(
+            "cache_dir", "IOSCHED_CACHE_DIR", "", str,
+            "Where `iosched demo` keeps its checkpoint; empty means `$XDG_CACHE_HOME/iosched` "
+            "(`~/.cache/iosched`).",
+        ),
+        Setting(
+            "loop", "IOSCHED_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),
+            "Event loop of the command-line tools: uvloop when installed (`auto`), or plain asyncio.",
+        ),
+    )
+}
+
+_overrides: dict[str, Any] = {}
+_cache: dict[str, Any] = {}
+
+
+def get(name: str) -> Any:
+    """The setting's value: the innermost :func:`override`, else its environment variable, else the default."""
+    if name in _overrides:
+        return _overrides[name]
+    if name not in _cache:
+        setting = SETTINGS[name]
+        raw = os.environ.get(setting.env)
+        if raw is None or raw == "":
+            _cache[name] = setting.default
+        else:
+            try:
+                _cache[name] = setting.parse(raw)
+            except ValueError as exc:
+                raise StoreError(f"environment variable {setting.env}: {exc}") from None
+    return _cache[name]
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set settings for the duration of a ``with`` block: ``with override(pread_threads=4): ...``."""
+    unknown = set(values) - set(SETTINGS)
+    if unknown:
+        raise StoreError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)

@@ -1,0 +1,573 @@
+"""``ExpertStore``: what an engine awaits.
+
+The data path of one ``acquire`` (``docs/design.md`` tells it in prose):
+
+1. **hit**: the key's entry is resident: take a lease, return the views made at publish time.
+   No await, no allocation beyond the lease object.
+2. **join**: the entry is loading: pin it, await the load's future (shielded, so a cancelled
+   waiter never cancels the load others wait on), then turn the pin into a lease.
+3. **miss**: reserve the expert's bytes in the :class:`residency.ResidencyTable` (evicting
+   what the policy names, never a leased, pinned or loading entry); when nothing can be freed
+   now, wait until a lease or a load ends.  Then start the load as a task of its own, and
+   join it like any other waiter.
+
+A load takes a page-aligned slab from the pool, reads each extent through the backend (the
+core counts per-device reads, bytes, errors and in-flight), builds the views, and only then
+publishes the entry.  A failed load removes its reservation, returns its slab and hands a
+:class:`StoreError` to every waiter; the next acquire of that key tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+import backends
+from residency import Entry, EntryState, ResidencyTable, make_policy
+
+from . import _settings
+from ._checkpoint import load_index
+from ._devices import device_of
+from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
+from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
+from ._slab import Slab, SlabPool
+from ._view import ExpertView
+
+log = logging.getLogger("iosched")
+
+
+@dataclass
+class DeviceStats:
+    reads: int = 0
+    bytes: int = 0
+    errors: int = 0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of the store's counters (``ExpertStore.stats()`` returns it as a dict).
+
+    ``requests == hits + misses + single_flight_joins``: each acquire of a known key is
+    classified once, by what it found when it asked (resident, nothing, or a load in flight).
+    """
+
+    requests: int
+    hits: int
+    misses: int
+    single_flight_joins: int
+    bytes_read: int
+    resident_bytes: int
+    budget_bytes: int
+    leased: int
+    loading: int
+    admissions: int
+    rejections: int
+    evictions: int
+    felt_wait_s: float
+    """Wall time during which at least one acquire was waiting (union of the waits)."""
+    service_s: float
+    """Read service time summed over loads (loads overlap, so this can exceed wall time)."""
+    per_device: dict[str, dict[str, int]]
+    resident_experts: int
+    load_errors: int
+    prefetch_issued: int
+    prefetch_dropped: int
+    tokens: int
+    idle_slab_bytes: int
+    backend: str
+    backend_reason: str | None
+    policy: str
+    loop: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Loaded:
+    __slots__ = ("slab", "view")
+
+    def __init__(self, slab: Slab, view: ExpertView) -> None:
+        self.slab = slab
+        self.view = view
+
+
+class Lease:
+    """``async with store.acquire(key) as view``: holds the expert resident until exit."""
+
+    __slots__ = ("_store", "_key", "_entry")
+
+    def __init__(self, store: "ExpertStore", key: ExpertKey) -> None:
+        self._store = store
+        self._key = key
+        self._entry: Entry | None = None
+
+    async def __aenter__(self) -> ExpertView:
+        if self._entry is not None:
+            raise StoreError(f"lease of {self._key!r} entered twice")
+        store = self._store
+        layout = store._layout_of(self._key)
+        entry = store._try_hit(layout)
+        if entry is None:
+            entry = await store._enter_slow(layout)
+        self._entry = entry
+        view: ExpertView = entry.payload.view
+        return view
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """End the lease (what ``__aexit__`` does); a no-op when not held."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            self._store._release(entry)
+
+
+class LeaseGroup:
+    """``async with store.acquire_many(keys) as views``: all of a layer's experts at once.
+
+    The loads run concurrently; the group is entered when every lease is held.  If one
+    acquire fails or the caller is cancelled, the leases already taken are released before
+    the error propagates, so a group never leaks a lease.
+    """
+
+    __slots__ = ("_store", "_keys", "_leases")
+
+    def __init__(self, store: "ExpertStore", keys: Iterable[ExpertKey]) -> None:
+        self._store = store
+        self._keys = list(keys)
+        self._leases: list[Lease] = []
+
+    async def __aenter__(self) -> list[ExpertView]:
+        store = self._store
+        layouts = [store._layout_of(key) for key in self._keys]
+        leases = [Lease(store, key) for key in self._keys]
+        views: list[ExpertView | None] = [None] * len(leases)
+        pending: dict[asyncio.Task[ExpertView], int] = {}
+        for i, (lease, layout) in enumerate(zip(leases, layouts)):
+            entry = store._try_hit(layout)
+            if entry is not None:
+                lease._entry = entry
+                views[i] = entry.payload.view
+            else:
+                pending[asyncio.ensure_future(lease.__aenter__())] = i
+        try:
+            if pending:
+                await _settle(list(pending))
+                failed = [t.exception() for t in pending if t.exception() is not None]
+                if failed:
+                    raise failed[0]  # type: ignore[misc]
+                for task, i in pending.items():
+                    views[i] = task.result()
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        self._leases = leases
+        return [v for v in views if v is not None]
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
+
+
+async def _settle(tasks: list["asyncio.Task[ExpertView]"]) -> None:
+    """Wait until every task is done; on cancellation cancel them, wait again, re-raise."""
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        while not all(t.done() for t in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:
+                continue
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()
+        raise
+
+
+class ExpertStore:
+    """Streams experts of a checkpoint under a strict byte budget.  Create with :meth:`open`."""
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        budget_bytes: int,
+        backend: backends.Backend,
+        backend_reason: str | None,
+        policy_name: str,
+    ) -> None:
+        self._index = index
+        self._layouts = index.experts
+        self._backend = backend
+        self._backend_reason = backend_reason
+        self._policy_name = policy_name
+        self._table = ResidencyTable(budget_bytes, make_policy(policy_name), self._on_evict)
+        self._pool = SlabPool()
+        self._closed = False
+        self._loads: set[asyncio.Task[None]] = set()
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self._devices: dict[str, DeviceStats] = {}
+        self._file_device: list[DeviceStats] = []
+        for path in index.files:
+            self._file_device.append(self._devices.setdefault(device_of(path), DeviceStats()))
+        self._requests = self._hits = self._misses = self._joins = 0
+        self._bytes_read = self._load_errors = 0
+        self._prefetch_issued = self._prefetch_dropped = 0
+        self._tokens = 0
+        self._felt_wait_s = self._service_s = 0.0
+        # felt wait is the union of the intervals during which some acquire was waiting:
+        # six experts awaited together for 2 ms cost the engine 2 ms, not 12.
+        self._waiting = 0
+        self._wait_since = 0.0
+
+    # ------------------------------------------------------------------ opening and closing
+
+    @classmethod
+    async def open(
+        cls,
+        source: str | os.PathLike[str],
+        budget_bytes: int,
+        backend: "str | backends.Backend | None" = "auto",
+        policy: str | None = "default",
+        mirrors: Sequence[str | os.PathLike[str]] = (),
+    ) -> "ExpertStore":
+        """Index ``source`` (a checkpoint folder or file), open its files, return the store.
+
+        ``backend`` is a backend's name, or a :class:`backends.Backend` object (for example a
+        fault-injecting wrapper around a real backend); ``None`` takes the ``backend`` setting.
+
+        Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
+        file, a bad budget, an unknown backend or policy.
+        """
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        if mirrors:
+            raise StoreError(
+                "mirrors are not supported yet (issue #4); open the store without mirrors"
+            )
+        if backend is None or isinstance(backend, str):
+            backend_name, reason = backends.resolve(backend or str(_settings.get("backend")))
+            be = None
+        else:  # a Backend object: fault injection and throttling wrap a real backend this way
+            be, reason = backend, None
+        policy_name = policy or str(_settings.get("policy"))
+        make_policy(policy_name)  # fail early, before any file is opened
+        index = await asyncio.to_thread(load_index, source)
+        largest = max(layout.nbytes for layout in index.experts.values())
+        if largest > budget_bytes:
+            log.warning(
+                "budget_bytes=%d is smaller than the largest expert (%d bytes): acquiring it "
+                "will raise BudgetError", budget_bytes, largest,
+            )
+        if be is None:
+            be = backends.create(backend_name)
+        await asyncio.to_thread(be.open, index.files)
+        return cls(index, budget_bytes, be, reason, policy_name)
+
+    async def close(self) -> None:
+        """Wait for loads in flight, free every buffer, close the files.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_room()
+        while self._loads:
+            await asyncio.gather(*list(self._loads), return_exceptions=True)
+        self._table.evict_all()
+        self._pool.close()
+        self._backend.close()
+
+    async def __aenter__(self) -> "ExpertStore":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ the public surface
+
+    @property
+    def index(self) -> CheckpointIndex:
+        """Every expert's layout: keys, extents, tensor types and shapes."""
+        return self._index
+
+    def acquire(self, key: ExpertKey) -> Lease:
+        """``async with store.acquire((layer, expert)) as view``; see :class:`Lease`."""
+        return Lease(self, key)
+
+    def acquire_many(self, keys: Iterable[ExpertKey]) -> LeaseGroup:
+        """``async with store.acquire_many(keys) as views``: lease several experts at once,
+        loading the missing ones concurrently; views come in the order of ``keys``."""
+        return LeaseGroup(self, keys)
+
+    def prefetch(self, keys: Iterable[ExpertKey]) -> int:
+        """Start loads of the keys not resident nor loading, as far as the budget allows
+        without evicting a leased, pinned or loading expert.  Never blocks; returns how many
+        loads it started.  Unknown keys raise before any load starts."""
+        self._check_open()
+        layouts = [self._layout_of(key) for key in keys]
+        started = 0
+        for layout in layouts:
+            if self._table.get(layout.key) is not None:
+                continue
+            entry = self._table.reserve(layout.key, layout.nbytes)
+            if entry is None:
+                self._prefetch_dropped += 1
+                continue
+            self._start_load(entry, layout)
+            started += 1
+        self._prefetch_issued += started
+        return started
+
+    def token_boundary(self) -> None:
+        """Marks the start of the next token (per-token budgets and telemetry hang on it)."""
+        self._tokens += 1
+
+    def statistics(self) -> StoreStats:
+        entries = self._table.entries()
+        loop_name = "none"
+        try:
+            loop_name = "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+        except RuntimeError:
+            pass
+        return StoreStats(
+            requests=self._requests,
+            hits=self._hits,
+            misses=self._misses,
+            single_flight_joins=self._joins,
+            bytes_read=self._bytes_read,
+            resident_bytes=self._table.used_bytes,
+            budget_bytes=self._table.budget_bytes,
+            leased=sum(1 for e in entries if e.leases),
+            loading=sum(1 for e in entries if e.state is EntryState.LOADING),
+            admissions=self._table.admissions,
+            rejections=self._table.rejections,
+            evictions=self._table.evictions,
+            felt_wait_s=self._felt_wait_s,
+            service_s=self._service_s,
+            per_device={name: asdict(d) for name, d in self._devices.items()},
+            resident_experts=sum(1 for e in entries if e.state is EntryState.RESIDENT),
+            load_errors=self._load_errors,
+            prefetch_issued=self._prefetch_issued,
+            prefetch_dropped=self._prefetch_dropped,
+            tokens=self._tokens,
+            idle_slab_bytes=self._pool.idle_bytes,
+            backend=self._backend.name,
+            backend_reason=self._backend_reason,
+            policy=self._policy_name,
+            loop=loop_name,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The contract's statistics dict (see ``StoreStats``)."""
+        out = asdict(self.statistics())
+        out.update(out.pop("extra"))
+        return out
+
+    def check_invariants(self) -> None:
+        """Re-check the table's invariants and the pool's headroom; ``AssertionError`` if broken."""
+        self._table.check()
+        if self._pool.idle_bytes > max(0, self._table.budget_bytes - self._table.used_bytes):
+            raise AssertionError("idle slabs exceed the budget's headroom")
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"the store over {self._index.root} is closed")
+
+    def _layout_of(self, key: ExpertKey) -> ExpertLayout:
+        try:
+            layout = self._layouts.get(key)
+        except TypeError:
+            raise UnknownExpertError(
+                f"expert key must be a (layer, expert) tuple of ints, got {key!r}"
+            ) from None
+        if layout is None:
+            if not (isinstance(key, tuple) and len(key) == 2
+                    and all(isinstance(k, int) and not isinstance(k, bool) for k in key)):
+                raise UnknownExpertError(
+                    f"expert key must be a (layer, expert) tuple of ints, got {key!r}"
+                )
+            raise UnknownExpertError(
+                f"no expert {key!r} in {self._index.root} "
+                f"(layers {self._index.layers()[0]}..{self._index.layers()[-1]})"
+            )
+        return layout
+
+    def _try_hit(self, layout: ExpertLayout) -> Entry | None:
+        """The hit path: lease a resident expert without awaiting; ``None`` if not resident."""
+        entry = self._table.get(layout.key)
+        if entry is None or entry.state is not EntryState.RESIDENT or self._closed:
+            return None
+        self._requests += 1
+        self._hits += 1
+        self._table.policy.on_request(layout.key, layout.nbytes, True)
+        entry.leases += 1
+        return entry
+
+    async def _enter_slow(self, layout: ExpertLayout) -> Entry:
+        """Acquire when the expert is not resident (or the store is closed)."""
+        self._check_open()
+        if self._waiting == 0:
+            self._wait_since = time.perf_counter()
+        self._waiting += 1
+        table = self._table
+        key = layout.key
+        entry = table.get(key)
+        self._requests += 1
+        table.policy.on_request(key, layout.nbytes, entry is not None)
+        if entry is None:
+            self._misses += 1
+        else:
+            self._joins += 1
+        try:
+            while True:
+                entry = table.get(key)
+                if entry is None:
+                    entry = table.reserve(key, layout.nbytes)
+                    if entry is None:
+                        await self._wait_room()
+                        self._check_open()
+                        continue
+                    self._start_load(entry, layout)
+                if entry.state is EntryState.RESIDENT:
+                    entry.leases += 1
+                    return entry
+                entry.pins += 1
+                try:
+                    await asyncio.shield(entry.future)
+                finally:
+                    entry.pins -= 1
+                # The load published the entry (a failed load raised above); the pin kept it
+                # from eviction until this line turns it into a lease.
+                entry.leases += 1
+                return entry
+        except BaseException:
+            if entry is not None:
+                self._after_unpin(entry)
+            raise
+        finally:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self._felt_wait_s += time.perf_counter() - self._wait_since
+
+    def _release(self, entry: Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0:
+            self._after_unpin(entry)
+
+    def _after_unpin(self, entry: Entry) -> None:
+        """A lease or pin ended: drop a finished transient entry, wake waiters for room."""
+        if (entry.transient and entry.state is EntryState.RESIDENT and entry.leases == 0
+                and entry.pins == 0 and self._table.get(entry.key) is entry):
+            self._table.remove(entry)
+            self._free_payload(entry)
+        if self._room_waiters:
+            self._wake_room()
+
+    async def _wait_room(self) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if not fut.done():
+                self._room_waiters.remove(fut)
+
+    def _wake_room(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _start_load(self, entry: Entry, layout: ExpertLayout) -> None:
+        loop = asyncio.get_running_loop()
+        entry.future = loop.create_future()
+        task = loop.create_task(self._load(entry, layout))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    def _headroom(self) -> int:
+        return max(0, self._table.budget_bytes - self._table.used_bytes)
+
+    async def _load(self, entry: Entry, layout: ExpertLayout) -> None:
+        slab = self._pool.take(layout.nbytes)
+        self._pool.trim(self._headroom())
+        t0 = time.perf_counter()
+        try:
+            await self._read_into(layout, memoryview(slab.mm))
+            view = ExpertView.over(layout, memoryview(slab.mm))
+        except BaseException as exc:
+            self._load_errors += 1
+            self._table.remove(entry)
+            self._pool.give(slab, self._headroom())
+            if isinstance(exc, StoreError):
+                error: StoreError = exc
+            elif isinstance(exc, asyncio.CancelledError):
+                error = StoreClosed(f"load of expert {layout.key!r} was cancelled")
+            else:
+                error = ReadError(f"load of expert {layout.key!r} failed: {exc!r}")
+                error.__cause__ = exc
+            entry.future.set_exception(error)
+            entry.future.exception()  # retrieved: waiters, if any, re-raise it
+            self._wake_room()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self._service_s += time.perf_counter() - t0
+        entry.payload = _Loaded(slab, view)
+        self._table.publish(entry)
+        entry.future.set_result(None)
+        self._after_unpin(entry)
+
+    async def _read_into(self, layout: ExpertLayout, buf: memoryview) -> None:
+        extents = layout.extents
+        if len(extents) == 1:
+            ext = extents[0]
+            await self._read_extent(ext.file, ext.offset, ext.length, buf)
+            return
+        jobs = []
+        pos = 0
+        for ext in extents:
+            jobs.append(self._read_extent(ext.file, ext.offset, ext.length, buf[pos:pos + ext.length]))
+            pos += ext.length
+        # Every extent finishes (or fails) before the slab can be recycled.
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _read_extent(self, file: int, offset: int, length: int, buf: memoryview) -> None:
+        dev = self._file_device[file]
+        dev.in_flight += 1
+        try:
+            await self._backend.read(file, offset, length, buf)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            dev.errors += 1
+            raise
+        else:
+            dev.reads += 1
+            dev.bytes += length
+            self._bytes_read += length
+        finally:
+            dev.in_flight -= 1
+
+    def _on_evict(self, entry: Entry) -> None:
+        self._free_payload(entry)
+
+    def _free_payload(self, entry: Entry) -> None:
+        loaded: _Loaded | None = entry.payload
+        entry.payload = None
+        if loaded is not None:
+            slab = loaded.slab
+            del loaded  # drop the views first, so the pool may unmap the slab
+            self._pool.give(slab, self._headroom())

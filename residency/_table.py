@@ -1,0 +1,171 @@
+"""The residency table: a strict byte budget, leases, and the policy that orders evictions.
+
+Synchronous and free of asyncio, so the store (real reads) and the replay tool (virtual
+time) drive the same object.  The store adds the waiting: when :meth:`ResidencyTable.reserve`
+answers ``None`` it parks the caller until a lease or a load ends.
+
+Invariants (re-checked by :meth:`check`):
+
+* ``used_bytes`` is the sum of ``nbytes`` over all entries, loading ones included, and never
+  exceeds ``budget_bytes``: bytes are reserved when a load *starts*;
+* an entry is evicted only when it is resident, unleased, unpinned and not transient;
+* the policy tracks exactly the non-transient entries;
+* a transient entry (a demand miss the policy did not admit) is visible for single-flight
+  while it loads and is dropped, never published, when its last lease ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+from iosched._errors import BudgetError
+
+from ._policy import Key, Policy
+
+
+class EntryState(enum.Enum):
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+class Entry:
+    """One expert in the table.  ``pins`` counts waiters about to take a lease (they keep
+    the entry from eviction between the load's completion and their wake-up)."""
+
+    __slots__ = ("key", "nbytes", "state", "leases", "pins", "transient", "payload", "future")
+
+    def __init__(self, key: Key, nbytes: int, transient: bool) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.state = EntryState.LOADING
+        self.leases = 0
+        self.pins = 0
+        self.transient = transient
+        self.payload: Any = None
+        self.future: Any = None
+
+    @property
+    def evictable(self) -> bool:
+        return (
+            self.state is EntryState.RESIDENT
+            and self.leases == 0
+            and self.pins == 0
+            and not self.transient
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Entry({self.key!r}, {self.nbytes}, {self.state.value}, leases={self.leases}, "
+            f"pins={self.pins}{', transient' if self.transient else ''})"
+        )
+
+
+class ResidencyTable:
+    def __init__(
+        self,
+        budget_bytes: int,
+        policy: Policy,
+        on_evict: Callable[[Entry], None] | None = None,
+    ) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self._on_evict = on_evict
+        self._entries: dict[Key, Entry] = {}
+        self.used_bytes = 0
+        self.admissions = 0
+        self.rejections = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Key) -> Entry | None:
+        return self._entries.get(key)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def reserve(self, key: Key, nbytes: int) -> Entry | None:
+        """Reserve ``nbytes`` for a load of ``key``, evicting as the policy orders.
+
+        Returns the new LOADING entry, or ``None`` (and changes nothing) when not enough
+        bytes can be freed now because the rest is leased, pinned or loading.
+        """
+        if nbytes > self.budget_bytes:
+            raise BudgetError(
+                f"expert {key!r} needs {nbytes} bytes, more than the whole budget of "
+                f"{self.budget_bytes} bytes"
+            )
+        if key in self._entries:
+            raise AssertionError(f"reserve of {key!r}, which is already in the table")
+        admitted = self.policy.admit(key, nbytes)
+        if not self._make_room(nbytes):
+            return None
+        entry = Entry(key, nbytes, transient=not admitted)
+        self._entries[key] = entry
+        self.used_bytes += nbytes
+        if admitted:
+            self.admissions += 1
+            self.policy.on_insert(key, nbytes)
+        else:
+            self.rejections += 1
+        return entry
+
+    def publish(self, entry: Entry) -> None:
+        """The entry's whole read succeeded: it may now be hit (and, unleased, evicted)."""
+        entry.state = EntryState.RESIDENT
+
+    def remove(self, entry: Entry) -> None:
+        """Drop an entry that failed to load, or a transient one whose last lease ended."""
+        if self._entries.get(entry.key) is not entry:
+            raise AssertionError(f"remove of {entry!r}, which is not in the table")
+        del self._entries[entry.key]
+        self.used_bytes -= entry.nbytes
+        if not entry.transient:
+            self.policy.on_remove(entry.key)
+
+    def evict(self, entry: Entry) -> None:
+        if not entry.evictable:
+            raise AssertionError(f"eviction of {entry!r}, which is not evictable")
+        self.remove(entry)
+        self.evictions += 1
+        self.evicted_bytes += entry.nbytes
+        if self._on_evict is not None:
+            self._on_evict(entry)
+
+    def evict_all(self) -> None:
+        """Evict every evictable entry (used by ``close``)."""
+        for entry in [e for e in self._entries.values() if e.evictable]:
+            self.evict(entry)
+
+    def _make_room(self, nbytes: int) -> bool:
+        need = self.used_bytes + nbytes - self.budget_bytes
+        if need <= 0:
+            return True
+        chosen: list[Entry] = []
+        for key in self.policy.victims():
+            entry = self._entries[key]
+            if entry.evictable:
+                chosen.append(entry)
+                need -= entry.nbytes
+                if need <= 0:
+                    break
+        if need > 0:
+            return False
+        for entry in chosen:
+            self.evict(entry)
+        return True
+
+    def check(self) -> None:
+        """Re-check every invariant in the module docstring; ``AssertionError`` if one fails."""
+        total = sum(e.nbytes for e in self._entries.values())
+        assert total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}"
+        assert self.used_bytes <= self.budget_bytes, "byte budget exceeded"
+        for e in self._entries.values():
+            assert e.leases >= 0 and e.pins >= 0, f"negative count in {e!r}"
+            assert e.state is EntryState.RESIDENT or e.leases == 0, f"lease on a loading entry {e!r}"
+        self.policy.check({k for k, e in self._entries.items() if not e.transient})

@@ -1,0 +1,40 @@
+"""Plain LRU: evict the least recently requested expert.
+
+The baseline every other policy is measured against.  On MoE decode it is the worst sane
+choice below one token cycle of budget (it evicts exactly the layer that comes next), which
+is why the project's default policy will differ; it stays as the reference.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import ClassVar, Iterator
+
+from ._policy import Key
+
+
+class LRUPolicy:
+    name: ClassVar[str] = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, int] = OrderedDict()
+
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        if hit and key in self._order:
+            self._order.move_to_end(key)
+
+    def admit(self, key: Key, nbytes: int) -> bool:
+        return True
+
+    def on_insert(self, key: Key, nbytes: int) -> None:
+        self._order[key] = nbytes
+        self._order.move_to_end(key)
+
+    def on_remove(self, key: Key) -> None:
+        del self._order[key]
+
+    def victims(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    def check(self, keys: set[Key]) -> None:
+        assert set(self._order) == keys, "LRU order does not track the resident set"

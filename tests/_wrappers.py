@@ -1,0 +1,35 @@
+"""Wrappers around a real backend, for tests that need to hold a read mid-flight.
+
+Not a mock: every byte still comes from the real backend reading the real file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar, Sequence
+
+from backends import Caps
+from backends.pread import PreadBackend
+
+
+class GatedBackend:
+    """A real ``pread`` backend whose reads wait for ``gate`` before they start."""
+
+    name: ClassVar[str] = "pread"
+    caps: ClassVar[Caps] = Caps.NONE
+
+    def __init__(self) -> None:
+        self.inner = PreadBackend(threads=4)
+        self.gate = asyncio.Event()
+        self.started = 0
+
+    def open(self, paths: Sequence[str]) -> None:
+        self.inner.open(paths)
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> None:
+        self.started += 1
+        await self.gate.wait()
+        await self.inner.read(file, offset, length, buf)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,432 @@
+"""The checkpoint index against files written by the real safetensors and gguf libraries.
+
+Each layout is checked the way the store will use it: read each extent with plain file I/O,
+concatenate, and find every tensor at its ``buf_offset``, equal to what the format's own
+library loads. Bad inputs must raise :class:`CheckpointError` naming the offending file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import safetensors
+import safetensors.numpy
+
+from iosched._checkpoint import load_index
+from iosched._errors import CheckpointError
+from iosched._layout import CheckpointIndex, ExpertLayout
+from tools.synth import write_gguf_moe, write_safetensors_moe
+
+L, E, H, I = 3, 6, 64, 32  # layers, experts, hidden, intermediate
+SIZES: dict[str, Any] = dict(n_layers=L, n_experts=E, hidden=H, intermediate=I)
+QWEN_ORDER = ["down_proj", "gate_proj", "up_proj"]  # safetensors sorts tensors by name
+MIXTRAL_ORDER = ["gate_proj", "down_proj", "up_proj"]  # w1, w2, w3
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def read_expert(index: CheckpointIndex, lay: ExpertLayout) -> bytes:
+    """The expert's buffer as the store builds it: its extents, read and concatenated."""
+    parts = []
+    for ext in lay.extents:
+        with open(index.files[ext.file], "rb") as f:
+            f.seek(ext.offset)
+            chunk = f.read(ext.length)
+        assert len(chunk) == ext.length
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def check_expert(
+    index: CheckpointIndex,
+    key: tuple[int, int],
+    expected: Mapping[str, npt.NDArray[Any]],
+    order: list[str],
+) -> None:
+    """``expected`` maps canonical name -> the array the format's own library loaded."""
+    lay = index.experts[key]
+    assert lay.key == key
+    assert [t.name for t in lay.tensors] == order
+    assert [(t.file, t.offset) for t in lay.tensors] == sorted((t.file, t.offset) for t in lay.tensors)
+    buf = read_expert(index, lay)
+    assert len(buf) == lay.nbytes == sum(t.nbytes for t in lay.tensors)
+    assert buf == b"".join(np.ascontiguousarray(expected[name]).tobytes() for name in order)
+    pos = 0
+    for t in lay.tensors:
+        assert t.buf_offset == pos
+        pos += t.nbytes
+        arr = np.frombuffer(buf, dtype=t.dtype, count=t.nbytes // t.dtype.itemsize, offset=t.buf_offset)
+        np.testing.assert_array_equal(arr.reshape(t.shape), expected[t.name])
+        assert t.shape == expected[t.name].shape
+
+
+def load_all(folder: Path) -> dict[str, npt.NDArray[Any]]:
+    out: dict[str, npt.NDArray[Any]] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(safetensors.numpy.load_file(str(shard)))
+    return out
+
+
+def qwen_expected(tensors: Mapping[str, npt.NDArray[Any]], layer: int, expert: int) -> dict[str, npt.NDArray[Any]]:
+    p = f"model.layers.{layer}.mlp.experts.{expert}"
+    return {n: tensors[f"{p}.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def raw_safetensors(path: Path, header: dict[str, Any], data: bytes) -> Path:
+    """A hand-made safetensors file, for headers no library would write."""
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    return path
+
+
+def expert_entry(offsets: list[int], shape: list[int] | None = None, dtype: str = "F32") -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape or [(offsets[1] - offsets[0]) // 4], "data_offsets": offsets}
+
+
+EXPERT0 = "model.layers.0.mlp.experts.0"
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def test_single_file(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", index_json=False, **SIZES)
+    file = folder / "model.safetensors"
+    index = load_index(file)
+    assert index.format == "safetensors"
+    assert index.root == os.path.abspath(file)
+    assert index.files == (os.path.abspath(file),)
+    assert index.file_sizes == (file.stat().st_size,)
+    assert type(index.experts) is dict
+    assert sorted(index.experts) == [(layer, e) for layer in range(L) for e in range(E)]
+    assert index.layers() == list(range(L))
+    assert index.expert_bytes_by_layer() == {layer: 3 * H * I * 2 for layer in range(L)}
+    tensors = safetensors.numpy.load_file(str(file))
+    for key in [(0, 0), (1, 3), (L - 1, E - 1)]:
+        check_expert(index, key, qwen_expected(tensors, *key), QWEN_ORDER)
+    # An expert's three tensors are adjacent on disk: one extent, one read.
+    assert all(len(lay.extents) == 1 for lay in index.experts.values())
+    assert all(t.dtype == np.float16 for lay in index.experts.values() for t in lay.tensors)
+
+
+@pytest.mark.parametrize("index_json", [True, False])
+def test_shards(tmp_path: Path, index_json: bool) -> None:
+    folder = write_safetensors_moe(
+        tmp_path / "ck", dtype="float32", n_shards=3, index_json=index_json, seed=7, **SIZES
+    )
+    assert (folder / "model.safetensors.index.json").exists() == index_json
+    index = load_index(folder)
+    assert index.root == os.path.abspath(folder)
+    shards = sorted(os.path.abspath(p) for p in folder.glob("*.safetensors"))
+    assert len(shards) == 3 and list(index.files) == shards
+    assert index.file_sizes == tuple(os.stat(p).st_size for p in shards)
+    assert len(index.experts) == L * E
+    tensors = load_all(folder)
+    for layer in range(L):
+        for e in (0, E - 1):
+            check_expert(index, (layer, e), qwen_expected(tensors, layer, e), QWEN_ORDER)
+        assert {index.experts[(layer, e)].extents[0].file for e in range(E)} == {layer}  # one shard per layer
+
+
+def test_mixtral_naming(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", naming="mixtral", n_shards=2, **SIZES)
+    index = load_index(folder)
+    tensors = load_all(folder)
+    for key in [(0, 1), (L - 1, E - 2)]:
+        p = f"model.layers.{key[0]}.block_sparse_moe.experts.{key[1]}"
+        expected = {"gate_proj": tensors[f"{p}.w1.weight"], "down_proj": tensors[f"{p}.w2.weight"],
+                    "up_proj": tensors[f"{p}.w3.weight"]}  # fmt: skip
+        check_expert(index, key, expected, MIXTRAL_ORDER)
+        assert [t.source_name for t in index.experts[key].tensors] == [f"{p}.{w}.weight" for w in ("w1", "w2", "w3")]
+
+
+def test_bfloat16_checked_by_the_library_parser(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="bfloat16", **SIZES)
+    file = folder / "model.safetensors"
+    parsed = dict(safetensors.deserialize(file.read_bytes()))  # type: ignore[no-untyped-call]
+    index = load_index(folder)
+    lay = index.experts[(1, 2)]
+    buf = read_expert(index, lay)
+    for t in lay.tensors:
+        assert parsed[t.source_name]["dtype"] == "BF16"
+        assert list(t.shape) == parsed[t.source_name]["shape"]
+        assert t.dtype.itemsize == 2  # ml_dtypes.bfloat16 if installed, else uint16 bits
+        assert buf[t.buf_offset : t.buf_offset + t.nbytes] == bytes(parsed[t.source_name]["data"])
+
+
+def test_prefixed_names_and_other_suffixes(tmp_path: Path) -> None:
+    """Any prefix before ``layers.``; suffixes other than the three weights keep their name."""
+    p = "model.language_model.layers.2.mlp.experts.5"
+    tensors = {
+        f"{p}.gate_proj.weight": np.arange(8, dtype=np.float32).reshape(2, 4),
+        f"{p}.gate_proj.bias": np.arange(2, dtype=np.float32),
+        f"{p}.up_proj.weight_scale": np.ones(1, dtype=np.float32),
+        "model.language_model.layers.2.mlp.gate.weight": np.zeros((6, 4), dtype=np.float32),
+    }
+    file = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(tensors, str(file))
+    index = load_index(file)
+    assert list(index.experts) == [(2, 5)]
+    names = {t.name: t for t in index.experts[(2, 5)].tensors}
+    assert set(names) == {"gate_proj", "gate_proj.bias", "up_proj.weight_scale"}
+    assert names["gate_proj"].shape == (2, 4)
+    assert len(index.experts[(2, 5)].extents) == 1
+
+
+def test_files_without_experts_are_left_out(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", index_json=False, **SIZES)
+    safetensors.numpy.save_file({"lm_head.weight": np.zeros((4, 4), np.float16)}, str(folder / "zz_head.safetensors"))
+    index = load_index(folder)
+    assert index.files == (os.path.abspath(folder / "model.safetensors"),)
+
+
+def test_gap_between_tensors_is_not_bridged(tmp_path: Path) -> None:
+    header = {
+        f"{EXPERT0}.gate_proj.weight": expert_entry([0, 16]),
+        f"{EXPERT0}.up_proj.weight": expert_entry([16, 32]),
+        "padding.weight": expert_entry([32, 48]),
+        f"{EXPERT0}.down_proj.weight": expert_entry([48, 64]),
+    }
+    file = raw_safetensors(tmp_path / "gap.safetensors", header, bytes(range(64)))
+    index = load_index(file)
+    lay = index.experts[(0, 0)]
+    assert [(x.offset - lay.extents[0].offset, x.length) for x in lay.extents] == [(0, 32), (48, 16)]
+    assert [t.buf_offset for t in lay.tensors] == [0, 16, 32]
+    assert read_expert(index, lay) == bytes(range(32)) + bytes(range(48, 64))
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def test_gguf(tmp_path: Path) -> None:
+    import gguf
+
+    path = write_gguf_moe(tmp_path / "moe.gguf", dtype="float16", seed=3, **SIZES)
+    index = load_index(path)
+    assert index.format == "gguf"
+    assert index.files == (os.path.abspath(path),)
+    assert index.file_sizes == (path.stat().st_size,)
+    assert sorted(index.experts) == [(layer, e) for layer in range(L) for e in range(E)]
+    reader = gguf.GGUFReader(path, "r")
+    merged = {t.name: np.array(t.data) for t in reader.tensors}
+    del reader
+    for key in [(0, 0), (1, E // 2), (L - 1, E - 1)]:
+        expected = {f"{r}_proj": merged[f"blk.{key[0]}.ffn_{r}_exps.weight"][key[1]] for r in ("gate", "up", "down")}
+        assert expected["gate_proj"].shape == (I, H) and expected["down_proj"].shape == (H, I)
+        check_expert(index, key, expected, ["gate_proj", "up_proj", "down_proj"])
+    # Three merged tensors: an expert is three separate slices, so three extents.
+    assert all(len(lay.extents) == 3 for lay in index.experts.values())
+
+
+def test_gguf_float32_in_a_folder(tmp_path: Path) -> None:
+    path = write_gguf_moe(tmp_path / "ck" / "model.gguf", dtype="float32", **SIZES)
+    index = load_index(path.parent)
+    assert index.format == "gguf" and index.files == (os.path.abspath(path),)
+    assert index.experts[(0, 0)].tensors[0].dtype == np.float32
+    assert index.expert_bytes_by_layer() == {layer: 3 * H * I * 4 for layer in range(L)}
+
+
+def _mapped(path: Path) -> bool:
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps here")
+    return str(path.resolve()) in maps.read_text()
+
+
+def test_gguf_memory_map_is_released(tmp_path: Path) -> None:
+    path = write_gguf_moe(tmp_path / "moe.gguf", **SIZES)
+    index = load_index(path)
+    assert index.experts
+    assert not _mapped(path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))  # maps, then fails in the reader
+    with pytest.raises(CheckpointError) as info:
+        load_index(bad)
+    assert "bad.gguf" in str(info.value)
+    assert not _mapped(bad)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _raises(source: Path, *needles: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_index(source)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", index_json=False, **SIZES)
+    file = folder / "model.safetensors"
+    size = file.stat().st_size
+    os.truncate(file, size - 100)
+    message = _raises(file, "model.safetensors", "extends past end of file", str(size - 100))
+    assert str(size) in message  # the tensor's end, which lies past the file's end
+
+
+def test_garbage_bytes(tmp_path: Path) -> None:
+    file = tmp_path / "garbage.safetensors"
+    file.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    _raises(file, "garbage.safetensors")
+
+
+def test_too_short(tmp_path: Path) -> None:
+    file = tmp_path / "short.safetensors"
+    file.write_bytes(b"\x01\x02\x03")
+    _raises(file, "short.safetensors", "too short")
+
+
+@pytest.mark.parametrize("n", [10**12, 200 * 10**6, 1000])
+def test_absurd_header_length(tmp_path: Path, n: int) -> None:
+    file = tmp_path / "huge.safetensors"
+    file.write_bytes(struct.pack("<Q", n) + b"{}" + bytes(64))
+    _raises(file, "huge.safetensors", "header length")
+
+
+@pytest.mark.parametrize(
+    "blob, needle",
+    [(b"{not json", "not valid JSON"), (b"\xff\xfe{}", "not valid JSON"), (b"[1, 2]", "not an object")],
+)
+def test_bad_json(tmp_path: Path, blob: bytes, needle: str) -> None:
+    file = tmp_path / "badjson.safetensors"
+    file.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    _raises(file, "badjson.safetensors", needle)
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        ({"dtype": "F32", "shape": [4], "data_offsets": [0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16.0]}, "data_offsets"),
+        ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}, "shape"),
+        ({"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}, "needs 20"),
+        ({"dtype": 7, "shape": [4], "data_offsets": [0, 16]}, "dtype"),
+        ("oops", "not an object"),
+    ],
+)
+def test_malformed_entry(tmp_path: Path, entry: Any, needle: str) -> None:
+    name = f"{EXPERT0}.gate_proj.weight"
+    file = raw_safetensors(tmp_path / "entry.safetensors", {name: entry}, bytes(16))
+    _raises(file, "entry.safetensors", name, needle)
+
+
+def test_unknown_dtype_on_an_expert_tensor(tmp_path: Path) -> None:
+    name = f"{EXPERT0}.gate_proj.weight"
+    header = {name: {"dtype": "F4", "shape": [32], "data_offsets": [0, 16]},
+              "other.weight": {"dtype": "F4", "shape": [32], "data_offsets": [16, 32]}}  # fmt: skip
+    file = raw_safetensors(tmp_path / "f4.safetensors", header, bytes(32))
+    _raises(file, "f4.safetensors", name, "'F4'")
+    # The same unknown dtype on a tensor we never read is fine.
+    header[name] = expert_entry([0, 16])
+    file = raw_safetensors(tmp_path / "f4.safetensors", header, bytes(32))
+    assert list(load_index(file).experts) == [(0, 0)]
+
+
+def test_overlapping_tensors(tmp_path: Path) -> None:
+    gate, up = f"{EXPERT0}.gate_proj.weight", f"{EXPERT0}.up_proj.weight"
+    header = {gate: expert_entry([0, 16]), up: expert_entry([8, 24])}
+    file = raw_safetensors(tmp_path / "overlap.safetensors", header, bytes(24))
+    _raises(file, "overlap.safetensors", gate, up, "overlap")
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", n_shards=2, **SIZES)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    _raises(folder, "model-00002-of-00002.safetensors", "missing", "model.safetensors.index.json")
+
+
+def test_weight_map_names_a_tensor_the_shard_lacks(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", n_shards=2, **SIZES)
+    doc = json.loads((folder / "model.safetensors.index.json").read_text())
+    moved = f"model.layers.{L - 1}.mlp.experts.0.up_proj.weight"
+    doc["weight_map"][moved] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(doc))
+    _raises(folder, moved, "model-00001-of-00002.safetensors")
+
+
+def test_bad_index_json(tmp_path: Path) -> None:
+    folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", n_shards=2, **SIZES)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    _raises(folder, "model.safetensors.index.json", "weight_map")
+
+
+def test_duplicate_tensor_across_shards_without_index(tmp_path: Path) -> None:
+    tensors = {f"{EXPERT0}.gate_proj.weight": np.zeros(4, np.float32)}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "a.safetensors"))
+    safetensors.numpy.save_file(tensors, str(tmp_path / "b.safetensors"))
+    _raises(tmp_path, "a.safetensors", "b.safetensors", f"{EXPERT0}.gate_proj.weight")
+
+
+def test_two_names_for_one_role(tmp_path: Path) -> None:
+    tensors = {
+        "model.layers.0.mlp.experts.0.gate_proj.weight": np.zeros(4, np.float32),
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight": np.zeros(4, np.float32),
+    }
+    safetensors.numpy.save_file(tensors, str(tmp_path / "dup.safetensors"))
+    _raises(tmp_path / "dup.safetensors", "dup.safetensors", "gate_proj", "w1.weight")
+
+
+def test_missing_source(tmp_path: Path) -> None:
+    _raises(tmp_path / "nowhere", "nowhere", "does not exist")
+
+
+def test_folder_without_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "README.txt").write_text("nothing here")
+    _raises(tmp_path, str(tmp_path), "no checkpoint")
+
+
+def test_unsupported_file_type(tmp_path: Path) -> None:
+    file = tmp_path / "pytorch_model.bin"
+    file.write_bytes(bytes(16))
+    _raises(file, "pytorch_model.bin")
+
+
+def test_no_expert_tensors(tmp_path: Path) -> None:
+    file = tmp_path / "dense.safetensors"
+    safetensors.numpy.save_file({"model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float16)}, str(file))
+    _raises(file, "dense.safetensors", "no expert tensors found", "experts.{E}")
+
+
+def test_gguf_without_experts(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "dense.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("blk.0.ffn_gate.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _raises(path, "dense.gguf", "no expert tensors found")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    file = tmp_path / "corrupt.gguf"
+    file.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    _raises(file, "corrupt.gguf", "GGUF")
+    file.write_bytes(b"")
+    _raises(file, "corrupt.gguf")
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    path = write_gguf_moe(tmp_path / "cut.gguf", **SIZES)
+    os.truncate(path, path.stat().st_size - 1000)
+    _raises(path, "cut.gguf")
+
+
+def test_two_ggufs_in_a_folder(tmp_path: Path) -> None:
+    write_gguf_moe(tmp_path / "a.gguf", **SIZES)
+    write_gguf_moe(tmp_path / "b.gguf", **SIZES)
+    _raises(tmp_path, "a.gguf", "b.gguf")

@@ -1,0 +1,105 @@
+"""The ``iosched`` command line.
+
+Every subcommand takes ``--json`` and then prints exactly one JSON object on stdout (an
+``{"error": ...}`` object, with exit status 2, when it fails on bad input); without it,
+a human-readable table.  Progress goes to stderr so stdout stays clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+from iosched import StoreError
+
+from . import _runner
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iosched", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="replay a bundled real routing trace through the store")
+    demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
+    demo.add_argument("--budget-cycles", type=float, default=4.0,
+                      help="budget in token cycles (k x bytes of one expert per layer, summed); default 4")
+    demo.add_argument("--compute-ms", type=float, default=1.0, help="emulated compute per layer (default 1 ms)")
+    demo.add_argument("--backend", default="auto")
+    demo.add_argument("--policy", default="default")
+    demo.add_argument("--tokens", type=int, default=None, help="stop after this many decode tokens")
+    demo.add_argument("--warm", action="store_true",
+                      help="keep the checkpoint in the page cache (default: drop it first, a cold start)")
+    _add_json(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
+    hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")
+    hit.add_argument("--reps", type=int, default=7, help="repetitions, interleaved across loops (default 7)")
+    _add_json(hit)
+    hit.set_defaults(func=_cmd_hitpath)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
+    try:
+        result = func(args)
+    except StoreError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        else:
+            print(f"iosched {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .demo import DemoConfig, run_demo
+    from .report import demo_table
+
+    config = DemoConfig(
+        trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
+        backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
+    )
+    if args.budget_cycles <= 0 or args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
+        raise StoreError("--budget-cycles and --tokens must be positive, --compute-ms not negative")
+    err = Console(stderr=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("tokens"), TimeRemainingColumn(), console=err,
+                  disable=not err.is_terminal) as progress:
+        err.print("[dim]building or reusing the demo checkpoint, then replaying the trace...[/dim]")
+        result = _runner.run(lambda: run_demo(config, progress))
+    out = result.as_dict()
+    if not args.json:
+        Console().print(demo_table(out))
+    return out
+
+
+def _cmd_hitpath(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+
+    from .hitpath import measure_hit_path
+
+    out = measure_hit_path(n=args.n, reps=args.reps)
+    if not args.json:
+        console = Console()
+        for loop, row in out["loops"].items():
+            console.print(f"{loop:8s} acquire+release of a resident expert: "
+                          f"median {row['median_us']:.2f} µs (p90 {row['p90_us']:.2f} µs)")
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
