@@ -55,8 +55,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "pread_threads", "IOSCHED_PREAD_THREADS", 16, _positive_int,
             "Worker threads of the `pread` backend: the most reads in flight at once. "
-            "16 covers the queue depth at which one NVMe drive reaches its sequential "
-            "bandwidth for 1-4 MiB reads (about 8, see docs/benchmarks.md) with room for two drives.",
+            "16 is not measured yet: it is twice the queue depth of 8 at which NVMe drives "
+            "commonly saturate for MiB-sized reads; issue #3's `iosched bench --sweep` replaces it "
+            "with a measured value.",
         ),
         Setting(
             "cache_dir", "IOSCHED_CACHE_DIR", "", str,

@@ -27,7 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 import backends
-from residency import Entry, EntryState, ResidencyTable, make_policy
+
+# Submodules, not the package: ``import residency`` in a fresh interpreter runs this module
+# while ``residency/__init__`` is still half-initialised.
+from residency._table import Entry, EntryState, ResidencyTable
+from residency.registry import make_policy
 
 from . import _settings
 from ._checkpoint import load_index

@@ -6,26 +6,13 @@ file) decide admission and eviction order.  ``make_policy(name)`` builds one by 
 
 from __future__ import annotations
 
-from typing import Callable
-
-from iosched._errors import StoreError
+# The core first: it imports this package's modules, and they import its leaf modules, so a
+# program that starts with ``import residency`` would otherwise meet a half-initialised module.
+import iosched  # noqa: F401
 
 from ._policy import Key, Policy
 from ._table import Entry, EntryState, ResidencyTable
 from .lru import LRUPolicy
+from .registry import POLICIES, make_policy
 
 __all__ = ["Entry", "EntryState", "Key", "LRUPolicy", "Policy", "ResidencyTable", "make_policy", "POLICIES"]
-
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "lru": LRUPolicy,
-    # "default" is the best policy the project has; until issue #5 lands that is LRU.
-    "default": LRUPolicy,
-}
-
-
-def make_policy(name: str) -> Policy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
-    return factory()

@@ -100,11 +100,18 @@ class ResidencyTable:
                 f"expert {key!r} needs {nbytes} bytes, more than the whole budget of "
                 f"{self.budget_bytes} bytes"
             )
+        if nbytes < 0:
+            raise BudgetError(f"expert {key!r} has a negative size ({nbytes} bytes)")
         if key in self._entries:
             raise AssertionError(f"reserve of {key!r}, which is already in the table")
-        admitted = self.policy.admit(key, nbytes)
-        if not self._make_room(nbytes):
+        victims = self._victims_for(nbytes)
+        if victims is None:
             return None
+        # Admission is asked only once the reservation is certain, so a stateful admission
+        # policy sees each decision once, however often a parked acquire retries.
+        admitted = self.policy.admit(key, nbytes)
+        for victim in victims:
+            self.evict(victim)
         entry = Entry(key, nbytes, transient=not admitted)
         self._entries[key] = entry
         self.used_bytes += nbytes
@@ -142,23 +149,21 @@ class ResidencyTable:
         for entry in [e for e in self._entries.values() if e.evictable]:
             self.evict(entry)
 
-    def _make_room(self, nbytes: int) -> bool:
+    def _victims_for(self, nbytes: int) -> list[Entry] | None:
+        """The entries to evict, in policy order, so that ``nbytes`` more fit; ``None`` when
+        the evictable entries cannot free enough (then nothing is evicted at all)."""
         need = self.used_bytes + nbytes - self.budget_bytes
-        if need <= 0:
-            return True
         chosen: list[Entry] = []
+        if need <= 0:
+            return chosen
         for key in self.policy.victims():
             entry = self._entries[key]
             if entry.evictable:
                 chosen.append(entry)
                 need -= entry.nbytes
                 if need <= 0:
-                    break
-        if need > 0:
-            return False
-        for entry in chosen:
-            self.evict(entry)
-        return True
+                    return chosen
+        return None
 
     def check(self) -> None:
         """Re-check every invariant in the module docstring; ``AssertionError`` if one fails."""

@@ -134,7 +134,7 @@ def test_arrays_are_read_only(real: tuple[str, RouteTrace]) -> None:
         assert arr.dtype == np.int32
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces not present")
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is not present, so only the bundled copies are tested")
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_bundled_equals_shared(name: str) -> None:
     shared = SHARED / f"{name}.route.csv"

@@ -149,7 +149,9 @@ async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
         stats = store.stats()
         stats["decode_felt_wait_s"] = stats["felt_wait_s"] - decode_felt_start
     return DemoResult(
-        trace=trace.source, checkpoint=str(folder), tokens=tokens, prefill_batches=prefill_batches,
+        trace=(f"{config.trace} ({Path(trace.model).name}, {len(trace.layers)} layers x "
+               f"{trace.n_expert} experts, k={trace.k})"),
+        checkpoint=str(folder), tokens=tokens, prefill_batches=prefill_batches,
         decode_seconds=decode_seconds, tokens_per_s=tokens / decode_seconds if decode_seconds else 0.0,
         budget_bytes=budget, td_bytes=td, stats=stats,
     )

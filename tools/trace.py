@@ -2,8 +2,9 @@
 
 Why this module exists: every cache/prefetch policy in this project is compared by replaying
 recorded routing, and a comparison is only meaningful if everybody replays the *same*
-request sequence. The sequence is defined in ``/work/shared/traces/README.md`` (and
-restated below); this module is the single implementation of that definition, so policies,
+request sequence. The sequence is defined in the shared traces' README (its source is
+named in ``tools/data/README.md``; the rules are restated below); this module is the single
+implementation of that definition, so policies,
 benchmarks and tests cannot drift apart on details such as "is a prefill repeat a request?".
 
 Format (``route_trace v1``)::
@@ -217,7 +218,7 @@ def bundled_trace_names() -> list[str]:
 
 
 def bundled_trace_path(name: str = "qwen") -> Path:
-    """Path of a bundled trace, so tests and demos run without ``/work/shared``."""
+    """Path of a bundled trace, so tests and demos run without the shared trace folder."""
     available = bundled_trace_names()
     if name not in available:
         raise TraceError(f"no bundled trace named {name!r}; available: "

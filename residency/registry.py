@@ -1,0 +1,24 @@
+"""Policies by name: what ``ExpertStore.open(policy=...)`` and ``iosched replay --policy`` accept."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from iosched._errors import StoreError
+
+from ._policy import Policy
+from .lru import LRUPolicy
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lru": LRUPolicy,
+    # "default" is the best policy the project has; until issue #5 lands that is LRU.
+    "default": LRUPolicy,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    return factory()

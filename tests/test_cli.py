@@ -1,0 +1,60 @@
+"""The command line: ``iosched demo --json`` on the real bundled trace, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from iosched import _settings
+from tools.cli import main
+
+CONTRACT_KEYS = {
+    "requests", "hits", "misses", "single_flight_joins", "bytes_read", "resident_bytes",
+    "budget_bytes", "leased", "loading", "admissions", "rejections", "evictions",
+    "felt_wait_s", "service_s", "per_device",
+}
+
+
+def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(tmp_path)):
+        assert main(["demo", "--json", "--tokens", "3", "--compute-ms", "0", "--trace", "gemma"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert CONTRACT_KEYS <= set(out)
+    assert out["tokens"] == 3
+    assert out["requests"] == out["hits"] + out["misses"] + out["single_flight_joins"] > 0
+    assert out["bytes_read"] > 0 and out["misses"] > 0
+    assert out["resident_bytes"] <= out["budget_bytes"]
+    assert out["leased"] == 0 and out["loading"] == 0
+    (dev,) = out["per_device"].values()
+    assert dev["bytes"] == out["bytes_read"]
+    assert any(p.name.startswith("demo-") for p in tmp_path.iterdir())
+
+
+def test_demo_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(tmp_path)):
+        assert main(["demo", "--tokens", "2", "--compute-ms", "0", "--trace", "gemma"]) == 0
+    text = capsys.readouterr().out
+    for label in ("tokens/s", "hit rate", "felt wait", "read service time", "bytes read", "per device"):
+        assert label in text
+
+
+def test_bad_input_is_one_json_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json", "--trace", "mixtral"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert "mixtral" in out["error"]
+
+
+def test_hitpath_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hitpath", "--json", "--n", "200", "--reps", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["loops"]["asyncio"]["median_us"] > 0
+
+
+def test_settings_doc_is_current() -> None:
+    from tools.settings_doc import render
+
+    assert (Path(__file__).parents[1] / "docs" / "settings.md").read_text() == render(), (
+        "docs/settings.md is stale: run python -m tools.settings_doc > docs/settings.md"
+    )
