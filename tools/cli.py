@@ -97,7 +97,8 @@ def _cmd_hitpath(args: argparse.Namespace) -> dict[str, Any]:
         console = Console()
         for loop, row in out["loops"].items():
             console.print(f"{loop:8s} acquire+release of a resident expert: "
-                          f"median {row['median_us']:.2f} µs (p90 {row['p90_us']:.2f} µs)")
+                          f"median {row['median_us']:.2f} µs (p90 {row['p90_us']:.2f} µs); "
+                          f"acquire_many of {out['k']}: {row['group_of_k_median_us']:.2f} µs")
     return out
 
 

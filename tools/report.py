@@ -13,10 +13,11 @@ def _mb(n: float) -> str:
 
 
 def demo_table(r: dict[str, Any]) -> Group:
-    summary = Table(title=f"iosched demo: {r['trace']}", show_header=False)
+    summary = Table(title="iosched demo", show_header=False)
     summary.add_column(style="bold")
     summary.add_column(justify="right")
     rows = [
+        ("trace", r["trace"]),
         ("decode tokens", f"{r['tokens']}"),
         ("tokens/s", f"{r['tokens_per_s']:.1f}"),
         ("budget", f"{_mb(r['budget_bytes'])} ({r['budget_cycles']:.1f} token cycles of {_mb(r['td_bytes'])})"),
