@@ -18,7 +18,9 @@ from ._errors import (
 )
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
 from ._settings import override as override_settings
-from ._store import ExpertStore, Lease, StoreStats
+from ._lease import Lease, LeaseGroup
+from ._stats import StoreStats
+from ._store import ExpertStore
 from ._view import ExpertView
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "ExpertView",
     "Extent",
     "Lease",
+    "LeaseGroup",
     "ReadError",
     "StoreClosed",
     "StoreError",

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
 import backends
@@ -38,56 +38,12 @@ from ._checkpoint import load_index
 from ._devices import device_of
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
+from ._lease import Lease, LeaseGroup
 from ._slab import Slab, SlabPool
+from ._stats import DeviceStats, StoreStats
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
-
-
-@dataclass
-class DeviceStats:
-    reads: int = 0
-    bytes: int = 0
-    errors: int = 0
-    in_flight: int = 0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """A snapshot of the store's counters (``ExpertStore.stats()`` returns it as a dict).
-
-    ``requests == hits + misses + single_flight_joins``: each acquire of a known key is
-    classified once, by what it found when it asked (resident, nothing, or a load in flight).
-    """
-
-    requests: int
-    hits: int
-    misses: int
-    single_flight_joins: int
-    bytes_read: int
-    resident_bytes: int
-    budget_bytes: int
-    leased: int
-    loading: int
-    admissions: int
-    rejections: int
-    evictions: int
-    felt_wait_s: float
-    """Wall time during which at least one acquire was waiting (union of the waits)."""
-    service_s: float
-    """Read service time summed over loads (loads overlap, so this can exceed wall time)."""
-    per_device: dict[str, dict[str, int]]
-    resident_experts: int
-    load_errors: int
-    prefetch_issued: int
-    prefetch_dropped: int
-    tokens: int
-    idle_slab_bytes: int
-    backend: str
-    backend_reason: str | None
-    policy: str
-    loop: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Loaded:
@@ -96,105 +52,6 @@ class _Loaded:
     def __init__(self, slab: Slab, view: ExpertView) -> None:
         self.slab = slab
         self.view = view
-
-
-class Lease:
-    """``async with store.acquire(key) as view``: holds the expert resident until exit."""
-
-    __slots__ = ("_store", "_key", "_entry")
-
-    def __init__(self, store: "ExpertStore", key: ExpertKey) -> None:
-        self._store = store
-        self._key = key
-        self._entry: Entry | None = None
-
-    async def __aenter__(self) -> ExpertView:
-        if self._entry is not None:
-            raise StoreError(f"lease of {self._key!r} entered twice")
-        store = self._store
-        layout = store._layout_of(self._key)
-        entry = store._try_hit(layout)
-        if entry is None:
-            entry = await store._enter_slow(layout)
-        self._entry = entry
-        view: ExpertView = entry.payload.view
-        return view
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """End the lease (what ``__aexit__`` does); a no-op when not held."""
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            self._store._release(entry)
-
-
-class LeaseGroup:
-    """``async with store.acquire_many(keys) as views``: all of a layer's experts at once.
-
-    The loads run concurrently; the group is entered when every lease is held.  If one
-    acquire fails or the caller is cancelled, the leases already taken are released before
-    the error propagates, so a group never leaks a lease.
-    """
-
-    __slots__ = ("_store", "_keys", "_leases")
-
-    def __init__(self, store: "ExpertStore", keys: Iterable[ExpertKey]) -> None:
-        self._store = store
-        self._keys = list(keys)
-        self._leases: list[Lease] = []
-
-    async def __aenter__(self) -> list[ExpertView]:
-        store = self._store
-        layouts = [store._layout_of(key) for key in self._keys]
-        leases = [Lease(store, key) for key in self._keys]
-        views: list[ExpertView | None] = [None] * len(leases)
-        pending: dict[asyncio.Task[ExpertView], int] = {}
-        for i, (lease, layout) in enumerate(zip(leases, layouts)):
-            entry = store._try_hit(layout)
-            if entry is not None:
-                lease._entry = entry
-                views[i] = entry.payload.view
-            else:
-                pending[asyncio.ensure_future(lease.__aenter__())] = i
-        try:
-            if pending:
-                await _settle(list(pending))
-                failed = [t.exception() for t in pending if t.exception() is not None]
-                if failed:
-                    raise failed[0]  # type: ignore[misc]
-                for task, i in pending.items():
-                    views[i] = task.result()
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            raise
-        self._leases = leases
-        return [v for v in views if v is not None]
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        leases, self._leases = self._leases, []
-        for lease in leases:
-            lease.release()
-
-
-async def _settle(tasks: list["asyncio.Task[ExpertView]"]) -> None:
-    """Wait until every task is done; on cancellation cancel them, wait again, re-raise."""
-    try:
-        await asyncio.wait(tasks)
-    except asyncio.CancelledError:
-        for task in tasks:
-            task.cancel()
-        while not all(t.done() for t in tasks):
-            try:
-                await asyncio.wait(tasks)
-            except asyncio.CancelledError:
-                continue
-        for task in tasks:
-            if not task.cancelled():
-                task.exception()
-        raise
 
 
 class ExpertStore:
