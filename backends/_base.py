@@ -1,23 +1,32 @@
 """The backend contract, after fio's ioengine: a small protocol, capabilities as flags.
 
-A backend only moves bytes: it opens the checkpoint's files and fills a caller's buffer with
-one extent.  Everything else (which buffer, per-device counters, timing, retries, budgets,
-single-flight) is the core's, so a backend is a short file and every backend is held to the
-same conformance suite (``tests/test_backend_conformance.py``).
+A backend only moves bytes: it opens the checkpoint's files and fills a caller's buffer.
+Everything else (which buffer, alignment padding, per-device counters, timing, short-read
+checks, retries, budgets, single-flight) is the core's, so a backend is a short file and
+every backend is held to one conformance suite (``tests/test_backend_conformance.py``).
 
 Contract of :meth:`Backend.read`:
 
-* fills ``buf[:length]`` with the file's bytes ``[offset, offset + length)`` or raises
-  :class:`iosched.ReadError` naming the file (a short read past the end of file included);
+* reads up to ``length`` bytes of file ``file`` at ``offset`` into ``buf[:length]`` and
+  returns how many it read: fewer than ``length`` only when the file ends first (0 at or past
+  the end).  The core, which knows how many bytes it needed, turns a short count into a
+  :class:`iosched.ReadError`;
+* raises :class:`iosched.ReadError` naming the file for any I/O error;
+* for a backend with :attr:`Caps.DIRECT`, the core passes ``offset``, ``length`` and the
+  address of ``buf`` as multiples of :meth:`Backend.alignment` (the device's logical block
+  size), and ``buf`` is a slice of a page-aligned slab;
 * never touches ``buf`` after it returns or raises, also when the awaiting task is cancelled:
   a backend that hands the read to a thread or a ring waits for it to finish before
   propagating the cancellation, so the core may recycle the buffer at once.
+
+A :attr:`Caps.ZERO_COPY` backend also implements :class:`ZeroCopyBackend`: the core asks it
+for a resident view of its own memory instead of a read into a slab.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Protocol, Sequence
 
 
 class Caps(enum.Flag):
@@ -25,7 +34,7 @@ class Caps(enum.Flag):
 
     NONE = 0
     DIRECT = enum.auto()
-    """Bypasses the page cache (O_DIRECT): buffers and offsets must be block-aligned."""
+    """Bypasses the page cache (O_DIRECT): the core aligns offsets, lengths and buffers."""
     NATIVE_ASYNC = enum.auto()
     """Completions arrive on the event loop without a thread per read (io_uring)."""
     ZERO_COPY = enum.auto()
@@ -37,10 +46,27 @@ class Backend(Protocol):
     caps: ClassVar[Caps]
 
     def open(self, paths: Sequence[str]) -> None:
-        """Open every file the store will read; file ``i`` of later reads is ``paths[i]``."""
+        """Open every file the store will read; file ``i`` of later calls is ``paths[i]``.
+        Raises :class:`iosched.ReadError` naming a file that cannot be opened."""
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> None:
-        """Fill ``buf[:length]`` with ``length`` bytes of file ``file`` at ``offset``."""
+    def alignment(self, file: int) -> int:
+        """The granularity the core must align reads of ``file`` to (1 when it need not)."""
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        """Read up to ``length`` bytes at ``offset`` into ``buf``; fewer only at end of file."""
+
+    def info(self) -> dict[str, Any]:
+        """Backend-specific facts for ``stats()["backend_info"]`` (fallbacks, reasons, ring size)."""
 
     def close(self) -> None:
-        """Release descriptors and workers; called once, with no read in flight."""
+        """Release descriptors, rings and workers; called once, with no read in flight."""
+
+
+class ZeroCopyBackend(Backend, Protocol):
+    async def map(self, file: int, offset: int, length: int) -> memoryview:
+        """A read-only view of the file's bytes ``[offset, offset + length)`` in the backend's
+        own memory, made resident before it returns; :class:`iosched.ReadError` if the file
+        is shorter than that now."""
+
+    def unmap(self, file: int, offset: int, length: int) -> None:
+        """The core no longer needs those bytes resident: give the pages back."""

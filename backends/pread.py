@@ -1,4 +1,4 @@
-"""``pread``: positional reads from a bounded thread pool.
+"""``pread``: positional reads from a bounded thread pool, through the page cache.
 
 The portable baseline: ``os.preadv`` releases the GIL for the whole read, so N threads keep
 N reads in flight, and it needs nothing from the kernel beyond POSIX.  The pool size is the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from iosched._errors import ReadError
 
@@ -18,24 +18,36 @@ from ._base import Caps
 from ._util import run_to_completion
 
 
-def pread_full(fd: int, offset: int, length: int, buf: memoryview, path: str) -> None:
-    """Read exactly ``length`` bytes at ``offset`` into ``buf``, looping on short reads and EINTR."""
+def pread_into(fd: int, offset: int, length: int, buf: memoryview, path: str) -> int:
+    """Read up to ``length`` bytes at ``offset``, looping on short reads and EINTR; stops
+    early only at end of file.  Returns the count."""
     done = 0
     while done < length:
         try:
             n = os.preadv(fd, [buf[done:length]], offset + done)
-        except InterruptedError:  # PEP 475 retries EINTR already; kept for signal handlers that raise
+        except InterruptedError:  # PEP 475 retries EINTR already; kept for handlers that raise
             continue
         except OSError as exc:
             raise ReadError(
                 f"{path}: read of {length} bytes at offset {offset} failed: {exc.strerror or exc}"
             ) from exc
         if n == 0:
-            raise ReadError(
-                f"{path}: short read: {done} of {length} bytes at offset {offset} "
-                f"(file ends at {offset + done}; was it truncated?)"
-            )
+            break
         done += n
+    return done
+
+
+def open_all(paths: Sequence[str], flags: int) -> list[int]:
+    """Open every path with ``flags``; on failure close what was opened and raise ReadError."""
+    fds: list[int] = []
+    for path in paths:
+        try:
+            fds.append(os.open(path, flags | os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    return fds
 
 
 class PreadBackend:
@@ -49,27 +61,30 @@ class PreadBackend:
         self._paths: list[str] = []
 
     def open(self, paths: Sequence[str]) -> None:
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="iosched-pread")
-        for path in paths:
-            try:
-                self._fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError as exc:
-                self.close()
-                raise ReadError(f"{path}: cannot open: {exc.strerror or exc}") from exc
-            self._paths.append(path)
+        self._fds = open_all(paths, 0)
+        self._paths = list(paths)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"iosched-{self.name}")
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> None:
+    def alignment(self, file: int) -> int:
+        return 1
+
+    def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        return pread_into(self._fds[file], offset, length, buf, self._paths[file])
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         assert self._pool is not None, "backend used before open()"
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(
-            self._pool, pread_full, self._fds[file], offset, length, buf, self._paths[file]
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._read_sync, file, offset, length, buf
         )
-        await run_to_completion(fut)
+        return await run_to_completion(fut)
+
+    def info(self) -> dict[str, Any]:
+        return {"threads": self._threads}
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()

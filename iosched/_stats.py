@@ -47,6 +47,7 @@ class StoreStats:
     idle_slab_bytes: int
     backend: str
     backend_reason: str | None
+    backend_info: dict[str, Any]
     policy: str
     loop: str
     extra: dict[str, Any] = field(default_factory=dict)

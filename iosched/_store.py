@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import backends
 
@@ -37,8 +37,9 @@ from . import _settings
 from ._checkpoint import load_index
 from ._devices import device_of
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
-from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
+from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent
 from ._lease import Lease, LeaseGroup
+from ._readplan import ReadPlan, Span, pack, plan_reads
 from ._slab import Slab, SlabPool
 from ._stats import DeviceStats, StoreStats
 from ._view import ExpertView
@@ -47,11 +48,14 @@ log = logging.getLogger("iosched")
 
 
 class _Loaded:
-    __slots__ = ("slab", "view")
+    """A published expert's memory: a slab of ours, or a range of a zero-copy backend's."""
 
-    def __init__(self, slab: Slab, view: ExpertView) -> None:
+    __slots__ = ("slab", "view", "mapped")
+
+    def __init__(self, slab: Slab | None, view: ExpertView, mapped: Extent | None) -> None:
         self.slab = slab
         self.view = view
+        self.mapped = mapped
 
 
 class ExpertStore:
@@ -68,6 +72,9 @@ class ExpertStore:
         self._index = index
         self._layouts = index.experts
         self._backend = backend
+        self._zero_copy: backends.ZeroCopyBackend | None = (
+            cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
+        )
         self._backend_reason = backend_reason
         self._policy_name = policy_name
         self._table = ResidencyTable(budget_bytes, make_policy(policy_name), self._on_evict)
@@ -221,6 +228,7 @@ class ExpertStore:
             idle_slab_bytes=self._pool.idle_bytes,
             backend=self._backend.name,
             backend_reason=self._backend_reason,
+            backend_info=self._backend.info(),
             policy=self._policy_name,
             loop=loop_name,
         )
@@ -359,16 +367,27 @@ class ExpertStore:
         return max(0, self._table.budget_bytes - self._table.used_bytes)
 
     async def _load(self, entry: Entry, layout: ExpertLayout) -> None:
-        slab = self._pool.take(layout.nbytes)
-        self._pool.trim(self._headroom())
         t0 = time.perf_counter()
+        slab: Slab | None = None
+        mapped: Extent | None = None
         try:
-            await self._read_into(layout, memoryview(slab.mm))
-            view = ExpertView.over(layout, memoryview(slab.mm))
+            if self._zero_copy is not None and len(layout.extents) == 1:
+                mapped = layout.extents[0]
+                view = ExpertView.over(layout, await self._map(mapped))
+            else:
+                plan = plan_reads(layout, self._backend.alignment)
+                slab = self._pool.take(plan.capacity)
+                self._pool.trim(self._headroom())
+                await self._read_plan(layout, plan, slab)
+                data = memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes]
+                view = ExpertView.over(layout, data)
         except BaseException as exc:
             self._load_errors += 1
             self._table.remove(entry)
-            self._pool.give(slab, self._headroom())
+            if slab is not None:
+                self._pool.give(slab, self._headroom())
+            if mapped is not None and self._zero_copy is not None:
+                self._zero_copy.unmap(mapped.file, mapped.offset, mapped.length)
             if isinstance(exc, StoreError):
                 error: StoreError = exc
             elif isinstance(exc, asyncio.CancelledError):
@@ -383,33 +402,38 @@ class ExpertStore:
                 raise
             return
         self._service_s += time.perf_counter() - t0
-        entry.payload = _Loaded(slab, view)
+        entry.payload = _Loaded(slab, view, mapped)
         self._table.publish(entry)
         entry.future.set_result(None)
         self._after_unpin(entry)
 
-    async def _read_into(self, layout: ExpertLayout, buf: memoryview) -> None:
-        extents = layout.extents
-        if len(extents) == 1:
-            ext = extents[0]
-            await self._read_extent(ext.file, ext.offset, ext.length, buf)
-            return
-        jobs = []
-        pos = 0
-        for ext in extents:
-            jobs.append(self._read_extent(ext.file, ext.offset, ext.length, buf[pos:pos + ext.length]))
-            pos += ext.length
-        # Every extent finishes (or fails) before the slab can be recycled.
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+    async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab) -> None:
+        buf = memoryview(slab.mm)
+        spans = plan.spans
+        if len(spans) == 1:
+            span = spans[0]
+            await self._read_span(layout, span, buf[span.slab_pos:span.slab_pos + span.length])
+        else:
+            jobs = [self._read_span(layout, s, buf[s.slab_pos:s.slab_pos + s.length]) for s in spans]
+            # Every span finishes (or fails) before the slab can be recycled.
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            pack(plan, slab.mm)
 
-    async def _read_extent(self, file: int, offset: int, length: int, buf: memoryview) -> None:
-        dev = self._file_device[file]
+    async def _read_span(self, layout: ExpertLayout, span: Span, buf: memoryview) -> None:
+        dev = self._file_device[span.file]
         dev.in_flight += 1
         try:
-            await self._backend.read(file, offset, length, buf)
+            got = await self._backend.read(span.file, span.offset, span.length, buf)
+            if got < span.head + span.need:
+                path = self._index.files[span.file]
+                raise ReadError(
+                    f"{path}: short read of expert {layout.key!r}: the file ends at "
+                    f"{span.offset + got}, before the extent's end at "
+                    f"{span.offset + span.head + span.need}; was it truncated?"
+                )
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -417,8 +441,27 @@ class ExpertStore:
             raise
         else:
             dev.reads += 1
-            dev.bytes += length
-            self._bytes_read += length
+            dev.bytes += got
+            self._bytes_read += got
+        finally:
+            dev.in_flight -= 1
+
+    async def _map(self, ext: Extent) -> memoryview:
+        assert self._zero_copy is not None
+        dev = self._file_device[ext.file]
+        dev.in_flight += 1
+        try:
+            view = await self._zero_copy.map(ext.file, ext.offset, ext.length)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            dev.errors += 1
+            raise
+        else:
+            dev.reads += 1
+            dev.bytes += ext.length
+            self._bytes_read += ext.length
+            return view
         finally:
             dev.in_flight -= 1
 
@@ -428,7 +471,11 @@ class ExpertStore:
     def _free_payload(self, entry: Entry) -> None:
         loaded: _Loaded | None = entry.payload
         entry.payload = None
-        if loaded is not None:
-            slab = loaded.slab
-            del loaded  # drop the views first, so the pool may unmap the slab
+        if loaded is None:
+            return
+        slab, mapped = loaded.slab, loaded.mapped
+        del loaded  # drop the views first, so the pool may unmap the slab
+        if slab is not None:
             self._pool.give(slab, self._headroom())
+        if mapped is not None and self._zero_copy is not None:
+            self._zero_copy.unmap(mapped.file, mapped.offset, mapped.length)

@@ -6,7 +6,7 @@ Not a mock: every byte still comes from the real backend reading the real file.
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from backends import Caps
 from backends.pread import PreadBackend
@@ -26,10 +26,16 @@ class GatedBackend:
     def open(self, paths: Sequence[str]) -> None:
         self.inner.open(paths)
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> None:
+    def alignment(self, file: int) -> int:
+        return self.inner.alignment(file)
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         self.started += 1
         await self.gate.wait()
-        await self.inner.read(file, offset, length, buf)
+        return await self.inner.read(file, offset, length, buf)
+
+    def info(self) -> dict[str, Any]:
+        return self.inner.info()
 
     def close(self) -> None:
         self.inner.close()

@@ -28,6 +28,18 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory()}
 
 
+@pytest.fixture(params=["pread", "odirect", "mmap", "uring"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each read backend in turn; one that cannot run here is skipped with its reason."""
+    import backends
+
+    name: str = request.param
+    reason = backends.available()[name]
+    if reason is not None:
+        pytest.skip(f"backend {name} is unavailable here: {reason}")
+    return name
+
+
 # Small shapes keep the suite fast; the index and the store treat them like real ones.
 LAYERS, EXPERTS, HIDDEN, INTER = 4, 8, 64, 48
 
