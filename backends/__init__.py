@@ -8,8 +8,6 @@ from __future__ import annotations
 
 # The core first: it imports this package's modules, and they import its leaf modules, so a
 # program that starts with ``import backends`` would otherwise meet a half-initialised module.
-import importlib
-
 import iosched  # noqa: F401
 from iosched import _settings
 from iosched._errors import BackendUnavailable
@@ -22,12 +20,9 @@ NAMES = ("pread", "odirect", "mmap", "uring")
 
 
 def _uring_reason() -> str | None:
-    try:
-        module = importlib.import_module("backends.uring")
-    except ImportError as exc:
-        return f"backends.uring cannot be imported: {exc}"
-    reason: str | None = module.probe()
-    return reason
+    from .uring import probe
+
+    return probe()
 
 
 def available() -> dict[str, str | None]:
@@ -66,6 +61,7 @@ def create(name: str) -> Backend:
         reason = _uring_reason()
         if reason is not None:
             raise BackendUnavailable(f"backend 'uring' is unavailable here: {reason}")
-        made: Backend = importlib.import_module("backends.uring").UringBackend()
-        return made
+        from .uring import UringBackend
+
+        return UringBackend(direct=True)
     raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(NAMES)}")

@@ -34,6 +34,8 @@ class ODirectBackend(PreadBackend):
     def __init__(self, threads: int) -> None:
         super().__init__(threads)
         self._direct: list[int | None] = []
+        """Per file: the O_DIRECT descriptor, or None once the file is read buffered."""
+        self._direct_fds: list[int] = []
         self._align: list[int] = []
         self.buffered_fallbacks: dict[str, str] = {}
         """File path -> why it is read buffered."""
@@ -52,6 +54,8 @@ class ODirectBackend(PreadBackend):
                 fd = None
                 self._fall_back(path, "the filesystem refuses O_DIRECT (open: EINVAL)")
             self._direct.append(fd)
+            if fd is not None:
+                self._direct_fds.append(fd)
             self._align.append(logical_block_size(path) if fd is not None else 1)
 
     def _fall_back(self, path: str, why: str) -> None:
@@ -80,7 +84,7 @@ class ODirectBackend(PreadBackend):
                         f"{path}: O_DIRECT read of {length} bytes at offset {offset} failed: "
                         f"{exc.strerror or exc}"
                     ) from exc
-                self._direct[file] = None
+                self._direct[file] = None  # still closed by close(), through _direct_fds
                 self._fall_back(path, "the filesystem refuses O_DIRECT reads (EINVAL)")
         if done < length:
             if fd is not None:
@@ -97,8 +101,8 @@ class ODirectBackend(PreadBackend):
         }
 
     def close(self) -> None:
-        for fd in self._direct:
-            if fd is not None:
-                os.close(fd)
+        for fd in self._direct_fds:
+            os.close(fd)
+        self._direct_fds.clear()
         self._direct.clear()
         super().close()
