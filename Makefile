@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test typecheck clean
+.PHONY: demo test typecheck bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/iosched demo
 
-test: $(STAMP)
+test: $(STAMP) bench-deps
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m mypy
+
+# The benchmark's own set-up: fio from Debian is the reference every row is compared with.
+# Without root (or a registry) it says so, and the tests comparing with fio skip with that reason.
+bench-deps:
+	@command -v fio >/dev/null || (apt-get update -qq && apt-get install -y -qq fio >/dev/null) \
+		|| echo "fio could not be installed (apt-get install fio): fio comparisons will be skipped"
+
+# The sweep behind docs/benchmarks.md (about 10 minutes on 2 cores).
+bench: $(STAMP) bench-deps
+	$(BIN)/iosched bench --sweep --backends pread,odirect,mmap,uring,naive \
+		--bs-list 64K,1M,4M,16M --qd-list 1,4,16,64 --seconds 1 --reps 3 --fio \
+		--plot docs/img/bench-sweep.png
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy

@@ -121,14 +121,19 @@ class ExpertStore:
             raise StoreError(
                 "mirrors are not supported yet (issue #4); open the store without mirrors"
             )
+        be: backends.Backend | None = None
         if backend is None or isinstance(backend, str):
-            backend_name, reason = backends.resolve(backend or str(_settings.get("backend")))
-            be = None
+            backend_name = backend or str(_settings.get("backend"))
+            if backend_name != "auto":
+                backends.resolve(backend_name)  # fail early, before the checkpoint is read
         else:  # a Backend object: fault injection and throttling wrap a real backend this way
-            be, reason = backend, None
+            be, backend_name = backend, backend.name
         policy_name = policy or str(_settings.get("policy"))
         make_policy(policy_name)  # fail early, before any file is opened
         index = await asyncio.to_thread(load_index, source)
+        reason: str | None = None
+        if be is None:
+            backend_name, reason = await asyncio.to_thread(backends.resolve, backend_name, index.files)
         largest = max(layout.nbytes for layout in index.experts.values())
         if largest > budget_bytes:
             log.warning(

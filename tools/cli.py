@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
+    from . import bench
+
+    bench.add_parser(sub)
+
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
     hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")
     hit.add_argument("--reps", type=int, default=7, help="repetitions, interleaved across loops (default 7)")
