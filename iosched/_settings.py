@@ -60,6 +60,13 @@ SETTINGS: dict[str, Setting] = {
             "with a measured value.",
         ),
         Setting(
+            "queue_depth", "IOSCHED_QUEUE_DEPTH", 8, _positive_int,
+            "Reads in flight per drive; more wait in its queue, demand before prefetch. 8: on the "
+            "development VM's virtio disk O_DIRECT throughput is flat from queue depth 4 on while "
+            "p99 latency grows with depth (docs/benchmarks.md); NVMe drives commonly saturate near 8 "
+            "for MiB-sized reads. `iosched topology --probe` measures it per drive.",
+        ),
+        Setting(
             "cache_dir", "IOSCHED_CACHE_DIR", "", str,
             "Where `iosched demo` keeps its checkpoint; empty means `$XDG_CACHE_HOME/iosched` "
             "(`~/.cache/iosched`).",

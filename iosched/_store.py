@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import Any, Iterable, Sequence, cast
+from typing import Any, Iterable, Mapping, Sequence
 
 import backends
 
@@ -35,13 +35,16 @@ from residency.registry import make_policy
 
 from . import _settings
 from ._checkpoint import load_index
-from ._devices import device_of
+from ._io import ReadPath
+from ._mirrors import find_replicas
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
-from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent
+from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from ._lease import Lease, LeaseGroup
 from ._readplan import ReadPlan, Span, pack, plan_reads
+from ._router import POLICIES as ROUTING_POLICIES
+from ._scheduler import DEMAND, PREFETCH, Ticket
 from ._slab import Slab, SlabPool
-from ._stats import DeviceStats, StoreStats
+from ._stats import StoreStats
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
@@ -52,7 +55,7 @@ class _Loaded:
 
     __slots__ = ("slab", "view", "mapped")
 
-    def __init__(self, slab: Slab | None, view: ExpertView, mapped: Extent | None) -> None:
+    def __init__(self, slab: Slab | None, view: ExpertView, mapped: tuple[int, int, int] | None) -> None:
         self.slab = slab
         self.view = view
         self.mapped = mapped
@@ -65,16 +68,16 @@ class ExpertStore:
         self,
         index: CheckpointIndex,
         budget_bytes: int,
-        backend: backends.Backend,
+        io: ReadPath,
         backend_reason: str | None,
         policy_name: str,
+        token_budget_bytes: int | None = None,
     ) -> None:
         self._index = index
         self._layouts = index.experts
-        self._backend = backend
-        self._zero_copy: backends.ZeroCopyBackend | None = (
-            cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
-        )
+        self._io = io
+        self._backend = io.backend
+        self._zero_copy = io.zero_copy
         self._backend_reason = backend_reason
         self._policy_name = policy_name
         self._table = ResidencyTable(budget_bytes, make_policy(policy_name), self._on_evict)
@@ -82,12 +85,14 @@ class ExpertStore:
         self._closed = False
         self._loads: set[asyncio.Task[None]] = set()
         self._room_waiters: list[asyncio.Future[None]] = []
-        self._devices: dict[str, DeviceStats] = {}
-        self._file_device: list[DeviceStats] = []
-        for path in index.files:
-            self._file_device.append(self._devices.setdefault(device_of(path), DeviceStats()))
+        self._tickets: dict[ExpertKey, Ticket] = {}
+        """The priority of each load in flight (a demand join promotes a prefetch's)."""
+        self._token_budget = token_budget_bytes
+        self._speculative_bytes = 0
+        """Bytes prefetch started since the last token boundary."""
+        self._prefetch_refused = self._prefetch_refused_bytes = self._prefetch_promoted = 0
         self._requests = self._hits = self._misses = self._joins = 0
-        self._bytes_read = self._load_errors = 0
+        self._load_errors = 0
         self._prefetch_issued = self._prefetch_dropped = 0
         self._tokens = 0
         self._felt_wait_s = self._service_s = 0.0
@@ -106,21 +111,38 @@ class ExpertStore:
         backend: "str | backends.Backend | None" = "auto",
         policy: str | None = "default",
         mirrors: Sequence[str | os.PathLike[str]] = (),
+        *,
+        routing: str = "hash",
+        weights: Mapping[str, float] | None = None,
+        queue_depth: int | None = None,
+        token_budget_bytes: int | None = None,
     ) -> "ExpertStore":
         """Index ``source`` (a checkpoint folder or file), open its files, return the store.
 
         ``backend`` is a backend's name, or a :class:`backends.Backend` object (for example a
         fault-injecting wrapper around a real backend); ``None`` takes the ``backend`` setting.
 
+        ``mirrors`` are folders (or files) holding byte-identical copies of the checkpoint on
+        other drives; ``routing`` sends whole reads to a replica by a weighted hash of the key
+        (``"hash"``) or to the least busy drive (``"least_pending"``); ``weights`` (by the
+        source's or a mirror's path) bias the hash; ``queue_depth`` caps reads in flight per
+        drive (setting ``queue_depth``); ``token_budget_bytes`` caps the bytes prefetch may
+        start between two ``token_boundary()`` calls (demand reads are never refused).
+
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
-        file, a bad budget, an unknown backend or policy.
+        file, a mirror that does not match, a bad budget, an unknown backend or policy.
         """
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-        if mirrors:
-            raise StoreError(
-                "mirrors are not supported yet (issue #4); open the store without mirrors"
-            )
+        if routing not in ROUTING_POLICIES:
+            raise StoreError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTING_POLICIES)}")
+        depth = int(_settings.get("queue_depth")) if queue_depth is None else queue_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0:
+            raise StoreError(f"queue_depth must be a positive integer, got {queue_depth!r}")
+        if token_budget_bytes is not None and (
+                isinstance(token_budget_bytes, bool) or not isinstance(token_budget_bytes, int)
+                or token_budget_bytes < 0):
+            raise BudgetError(f"token_budget_bytes must be a non-negative integer, got {token_budget_bytes!r}")
         be: backends.Backend | None = None
         if backend is None or isinstance(backend, str):
             backend_name = backend or str(_settings.get("backend"))
@@ -140,10 +162,18 @@ class ExpertStore:
                 "budget_bytes=%d is smaller than the largest expert (%d bytes): acquiring it "
                 "will raise BudgetError", budget_bytes, largest,
             )
+        replicas = await asyncio.to_thread(find_replicas, index, mirrors)
+        roots = [index.root] + [os.path.abspath(os.fspath(m)) for m in mirrors]
+        known = set(roots)
+        for root in (weights or {}):
+            if os.path.abspath(root) not in known:
+                raise StoreError(f"weights: {root} is neither the source nor a mirror")
         if be is None:
             be = backends.create(backend_name)
-        await asyncio.to_thread(be.open, index.files)
-        return cls(index, budget_bytes, be, reason, policy_name)
+        await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
+        io = ReadPath(be, replicas, roots, {os.path.abspath(k): v for k, v in (weights or {}).items()},
+                      routing, depth)
+        return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes)
 
     async def close(self) -> None:
         """Wait for loads in flight, free every buffer, close the files.  Idempotent."""
@@ -188,19 +218,26 @@ class ExpertStore:
         started = 0
         for layout in layouts:
             if self._table.get(layout.key) is not None:
+                continue  # resident, or loading: a demand read got there first
+            if (self._token_budget is not None
+                    and self._speculative_bytes + layout.nbytes > self._token_budget):
+                self._prefetch_refused += 1
+                self._prefetch_refused_bytes += layout.nbytes
                 continue
             entry = self._table.reserve(layout.key, layout.nbytes)
             if entry is None:
                 self._prefetch_dropped += 1
                 continue
-            self._start_load(entry, layout)
+            self._speculative_bytes += layout.nbytes
+            self._start_load(entry, layout, PREFETCH)
             started += 1
         self._prefetch_issued += started
         return started
 
     def token_boundary(self) -> None:
-        """Marks the start of the next token (per-token budgets and telemetry hang on it)."""
+        """Marks the start of the next token: the per-token prefetch byte budget starts over."""
         self._tokens += 1
+        self._speculative_bytes = 0
 
     def statistics(self) -> StoreStats:
         entries = self._table.entries()
@@ -214,7 +251,7 @@ class ExpertStore:
             hits=self._hits,
             misses=self._misses,
             single_flight_joins=self._joins,
-            bytes_read=self._bytes_read,
+            bytes_read=self._io.bytes_read,
             resident_bytes=self._table.used_bytes,
             budget_bytes=self._table.budget_bytes,
             leased=sum(1 for e in entries if e.leases),
@@ -224,7 +261,7 @@ class ExpertStore:
             evictions=self._table.evictions,
             felt_wait_s=self._felt_wait_s,
             service_s=self._service_s,
-            per_device={name: asdict(d) for name, d in self._devices.items()},
+            per_device={name: asdict(d) for name, d in self._io.devices.items()},
             resident_experts=sum(1 for e in entries if e.state is EntryState.RESIDENT),
             load_errors=self._load_errors,
             prefetch_issued=self._prefetch_issued,
@@ -236,6 +273,13 @@ class ExpertStore:
             backend_info=self._backend.info(),
             policy=self._policy_name,
             loop=loop_name,
+            extra={
+                **{k: v for k, v in self._io.stats().items() if k != "per_device"},
+                "prefetch_refused": self._prefetch_refused,
+                "prefetch_refused_bytes": self._prefetch_refused_bytes,
+                "prefetch_promoted": self._prefetch_promoted,
+                "token_budget_bytes": self._token_budget,
+            },
         )
 
     def stats(self) -> dict[str, Any]:
@@ -314,6 +358,10 @@ class ExpertStore:
                 if entry.state is EntryState.RESIDENT:
                     entry.leases += 1
                     return entry
+                ticket = self._tickets.get(key)
+                if ticket is not None and ticket.priority != DEMAND:
+                    ticket.promote()  # a demand joined a prefetch: its reads jump the queue
+                    self._prefetch_promoted += 1
                 entry.pins += 1
                 try:
                     await asyncio.shield(entry.future)
@@ -361,7 +409,8 @@ class ExpertStore:
             if not fut.done():
                 fut.set_result(None)
 
-    def _start_load(self, entry: Entry, layout: ExpertLayout) -> None:
+    def _start_load(self, entry: Entry, layout: ExpertLayout, priority: int = DEMAND) -> None:
+        self._tickets[layout.key] = Ticket(priority)
         loop = asyncio.get_running_loop()
         entry.future = loop.create_future()
         task = loop.create_task(self._load(entry, layout))
@@ -373,26 +422,30 @@ class ExpertStore:
 
     async def _load(self, entry: Entry, layout: ExpertLayout) -> None:
         t0 = time.perf_counter()
+        ticket = self._tickets[layout.key]
         slab: Slab | None = None
-        mapped: Extent | None = None
+        mapped: tuple[int, int, int] | None = None
         try:
             if self._zero_copy is not None and len(layout.extents) == 1:
-                mapped = layout.extents[0]
-                view = ExpertView.over(layout, await self._map(mapped))
+                ext = layout.extents[0]
+                view_bytes, backend_file = await self._io.map(layout.key, ext.file, ext.offset, ext.length, ticket)
+                mapped = (backend_file, ext.offset, ext.length)
+                view = ExpertView.over(layout, view_bytes)
             else:
-                plan = plan_reads(layout, self._backend.alignment)
+                plan = plan_reads(layout, self._io.alignment)
                 slab = self._pool.take(plan.capacity)
                 self._pool.trim(self._headroom())
-                await self._read_plan(layout, plan, slab)
+                await self._read_plan(layout, plan, slab, ticket)
                 data = memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes]
                 view = ExpertView.over(layout, data)
         except BaseException as exc:
+            del self._tickets[layout.key]
             self._load_errors += 1
             self._table.remove(entry)
             if slab is not None:
                 self._pool.give(slab, self._headroom())
             if mapped is not None and self._zero_copy is not None:
-                self._zero_copy.unmap(mapped.file, mapped.offset, mapped.length)
+                self._zero_copy.unmap(*mapped)
             if isinstance(exc, StoreError):
                 error: StoreError = exc
             elif isinstance(exc, asyncio.CancelledError):
@@ -406,69 +459,28 @@ class ExpertStore:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        del self._tickets[layout.key]
         self._service_s += time.perf_counter() - t0
         entry.payload = _Loaded(slab, view, mapped)
         self._table.publish(entry)
         entry.future.set_result(None)
         self._after_unpin(entry)
 
-    async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab) -> None:
+    async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab, ticket: Ticket) -> None:
         buf = memoryview(slab.mm)
         spans = plan.spans
         if len(spans) == 1:
             span = spans[0]
-            await self._read_span(layout, span, buf[span.slab_pos:span.slab_pos + span.length])
+            await self._io.read_span(layout.key, span, buf[span.slab_pos:span.slab_pos + span.length], ticket)
         else:
-            jobs = [self._read_span(layout, s, buf[s.slab_pos:s.slab_pos + s.length]) for s in spans]
+            jobs = [self._io.read_span(layout.key, s, buf[s.slab_pos:s.slab_pos + s.length], ticket)
+                    for s in spans]
             # Every span finishes (or fails) before the slab can be recycled.
             results = await asyncio.gather(*jobs, return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
             pack(plan, slab.mm)
-
-    async def _read_span(self, layout: ExpertLayout, span: Span, buf: memoryview) -> None:
-        dev = self._file_device[span.file]
-        dev.in_flight += 1
-        try:
-            got = await self._backend.read(span.file, span.offset, span.length, buf)
-            if got < span.head + span.need:
-                path = self._index.files[span.file]
-                raise ReadError(
-                    f"{path}: short read of expert {layout.key!r}: the file ends at "
-                    f"{span.offset + got}, before the extent's end at "
-                    f"{span.offset + span.head + span.need}; was it truncated?"
-                )
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            dev.errors += 1
-            raise
-        else:
-            dev.reads += 1
-            dev.bytes += got
-            self._bytes_read += got
-        finally:
-            dev.in_flight -= 1
-
-    async def _map(self, ext: Extent) -> memoryview:
-        assert self._zero_copy is not None
-        dev = self._file_device[ext.file]
-        dev.in_flight += 1
-        try:
-            view = await self._zero_copy.map(ext.file, ext.offset, ext.length)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            dev.errors += 1
-            raise
-        else:
-            dev.reads += 1
-            dev.bytes += ext.length
-            self._bytes_read += ext.length
-            return view
-        finally:
-            dev.in_flight -= 1
 
     def _on_evict(self, entry: Entry) -> None:
         self._free_payload(entry)
@@ -483,4 +495,4 @@ class ExpertStore:
         if slab is not None:
             self._pool.give(slab, self._headroom())
         if mapped is not None and self._zero_copy is not None:
-            self._zero_copy.unmap(mapped.file, mapped.offset, mapped.length)
+            self._zero_copy.unmap(*mapped)

@@ -1,0 +1,171 @@
+"""The read path below the store: replicas, routing, per-device queues, failover, accounting.
+
+For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, which
+
+1. asks the :class:`Router` for the replicas holding the file, best first;
+2. waits for a slot in that drive's :class:`DeviceQueue` (queue depth, demand before prefetch);
+3. has the backend read into the caller's buffer, and counts reads, bytes, errors, in-flight
+   per device and per replica;
+4. on an error or a short read (a truncated or removed replica) tries the next replica,
+   counting a retry, and a *failover* when another replica then serves it; only when every
+   replica failed does the error reach the store, naming the last file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+from typing import Hashable, Mapping, Sequence, cast
+
+import backends
+
+from ._devices import device_of
+from ._errors import ReadError, StoreError
+from ._readplan import Span
+from ._router import Replica, Router
+from ._scheduler import DeviceQueue, Ticket
+from ._stats import DeviceStats
+
+
+@dataclass
+class ReplicaStats:
+    reads: int = 0
+    bytes: int = 0
+    errors: int = 0
+
+
+class ReadPath:
+    def __init__(
+        self,
+        backend: backends.Backend,
+        replicas: Sequence[Sequence[str]],
+        roots: Sequence[str],
+        weights: Mapping[str, float],
+        routing: str,
+        queue_depth: int,
+    ) -> None:
+        """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
+        was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
+        j-th mirror's root, each path's replica root found by prefix; ``weights`` by root."""
+        self.backend = backend
+        self.zero_copy: backends.ZeroCopyBackend | None = (
+            cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
+        )
+        self.devices: dict[str, DeviceStats] = {}
+        self.queues: dict[str, DeviceQueue] = {}
+        self.per_replica: dict[str, ReplicaStats] = {root: ReplicaStats() for root in roots}
+        self._root_of: dict[int, str] = {}
+        table: list[list[Replica]] = []
+        n = 0
+        for paths in replicas:
+            row = []
+            for path in paths:
+                device = device_of(path)
+                self.devices.setdefault(device, DeviceStats())
+                self.queues.setdefault(device, DeviceQueue(queue_depth))
+                root = next((r for r in roots if path == r or path.startswith(r.rstrip("/") + "/")), roots[0])
+                self._root_of[n] = root
+                row.append(Replica(path, device, n, weight=float(weights.get(root, 1.0))))
+                n += 1
+            table.append(row)
+        self.router = Router(table, routing, pending=lambda device: self.devices[device].in_flight)
+        self._align = [max(backend.alignment(r.file) for r in row) for row in table]
+        self.bytes_read = 0
+        self.retries = 0
+        self.failovers = 0
+
+    def alignment(self, file: int) -> int:
+        """The alignment reads of checkpoint file ``file`` need on every replica."""
+        return self._align[file]
+
+    def paths(self) -> list[str]:
+        return [r.path for row in self.router.replicas for r in row]
+
+    async def read_span(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int:
+        """Read ``span`` of checkpoint file ``span.file`` into ``buf``, failing over between
+        replicas; returns the count, at least ``span.head + span.need``."""
+        last: BaseException | None = None
+        for attempt, replica in enumerate(self.router.order(key, span.file)):
+            if attempt:
+                self.retries += 1
+            try:
+                got = await self._one(replica, span.offset, span.length, buf, ticket)
+                if got < span.head + span.need:
+                    raise ReadError(
+                        f"{replica.path}: short read of expert {key!r}: the file ends at "
+                        f"{span.offset + got}, before the extent's end at "
+                        f"{span.offset + span.head + span.need}; was it truncated?"
+                    )
+            except StoreError as exc:
+                self._failed(replica)
+                last = exc
+                continue
+            self.router.succeeded(replica)
+            self.failovers += attempt > 0
+            return got
+        assert last is not None
+        raise last
+
+    async def map(self, key: Hashable, file: int, offset: int, length: int, ticket: Ticket) -> tuple[memoryview, int]:
+        """A zero-copy backend's resident view of the bytes, from the first replica that
+        serves them; returns the view and the backend file to unmap later."""
+        assert self.zero_copy is not None
+        last: BaseException | None = None
+        for attempt, replica in enumerate(self.router.order(key, file)):
+            if attempt:
+                self.retries += 1
+            queue, dev = self.queues[replica.device], self.devices[replica.device]
+            await queue.acquire(ticket)
+            dev.in_flight += 1
+            try:
+                view = await self.zero_copy.map(replica.file, offset, length)
+            except StoreError as exc:
+                self._failed(replica)
+                last = exc
+                continue
+            finally:
+                dev.in_flight -= 1
+                queue.release()
+            self._count(replica, length)
+            self.router.succeeded(replica)
+            self.failovers += attempt > 0
+            return view, replica.file
+        assert last is not None
+        raise last
+
+    async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview, ticket: Ticket) -> int:
+        queue, dev = self.queues[replica.device], self.devices[replica.device]
+        await queue.acquire(ticket)
+        dev.in_flight += 1
+        try:
+            got = await self.backend.read(replica.file, offset, length, buf)
+        finally:
+            dev.in_flight -= 1
+            queue.release()
+        self._count(replica, got)
+        return got
+
+    def _count(self, replica: Replica, nbytes: int) -> None:
+        dev = self.devices[replica.device]
+        dev.reads += 1
+        dev.bytes += nbytes
+        rep = self.per_replica[self._root_of[replica.file]]
+        rep.reads += 1
+        rep.bytes += nbytes
+        self.bytes_read += nbytes
+
+    def _failed(self, replica: Replica) -> None:
+        self.devices[replica.device].errors += 1
+        self.per_replica[self._root_of[replica.file]].errors += 1
+        self.router.failed(replica)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "per_device": {name: asdict(d) for name, d in self.devices.items()},
+            "per_replica": {root: asdict(r) for root, r in self.per_replica.items()},
+            "retries": self.retries,
+            "failovers": self.failovers,
+            "degraded": self.router.degraded(),
+            "routing": self.router.policy,
+            "queue_waits": sum(q.waited for q in self.queues.values()),
+        }

@@ -1,0 +1,226 @@
+"""Mirrors, routing, failover, per-device queues and the per-token prefetch budget, on real
+copies of a real checkpoint (replicas as folders on this machine's one disk; a slower drive
+emulated by a token bucket around the real backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import backends
+from backends.throttle import ThrottledBackend
+from iosched import ExpertStore, StoreError
+from iosched._mirrors import MirrorError
+from iosched._router import DEGRADE_AFTER, Replica, Router
+from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
+from tests.test_store import expected_bytes
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def mirrored(st_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    primary, mirror = tmp_path / "primary", tmp_path / "mirror"
+    shutil.copytree(st_checkpoint, primary)
+    shutil.copytree(st_checkpoint, mirror)
+    return primary, mirror
+
+
+async def read_all(store: ExpertStore) -> None:
+    for key in store.index.experts:
+        async with store.acquire(key) as view:
+            assert view.data.tobytes() == expected_bytes(store.index, key)
+
+
+async def test_both_replicas_serve_byte_exact(mirrored: tuple[Path, Path], backend: str) -> None:
+    primary, mirror = mirrored
+    async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend=backend, mirrors=[mirror]) as store:
+        await read_all(store)
+        reps = store.stats()["per_replica"]
+        assert set(reps) == {str(primary), str(mirror)}
+        assert all(r["reads"] > 0 and r["errors"] == 0 for r in reps.values())
+
+
+async def test_routing_is_deterministic(mirrored: tuple[Path, Path]) -> None:
+    primary, mirror = mirrored
+    seen = []
+    for _ in range(2):
+        async with await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[mirror]) as store:
+            await read_all(store)
+            seen.append(store.stats()["per_replica"])
+    assert seen[0] == seen[1]
+
+
+async def test_mismatched_mirrors_are_refused(mirrored: tuple[Path, Path], tmp_path: Path) -> None:
+    primary, mirror = mirrored
+    shard = sorted(mirror.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[20] ^= 0xFF  # inside the JSON header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(MirrorError, match=shard.name):
+        await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[mirror])
+    shard.write_bytes(bytes(data) + b"x")
+    with pytest.raises(MirrorError, match=rf"{shard.name} is {len(data) + 1} bytes"):
+        await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[mirror])
+    with pytest.raises(MirrorError, match="no-such-mirror"):
+        await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[tmp_path / "no-such-mirror"])
+    empty = tmp_path / "empty-mirror"
+    empty.mkdir()
+    with pytest.raises(MirrorError, match="holds none"):
+        await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[empty])
+
+
+async def test_partial_mirror_serves_what_it_has(mirrored: tuple[Path, Path]) -> None:
+    primary, mirror = mirrored
+    gone = sorted(mirror.glob("*.safetensors"))[-1]
+    gone.unlink()
+    async with await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[mirror]) as store:
+        await read_all(store)
+        assert store.stats()["per_replica"][str(mirror)]["reads"] > 0
+
+
+async def test_failover_when_a_replica_is_truncated(mirrored: tuple[Path, Path], backend: str) -> None:
+    primary, mirror = mirrored
+    async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend=backend, mirrors=[mirror]) as store:
+        for shard in mirror.glob("*.safetensors"):
+            os.truncate(shard, 1000)  # under the running store
+        await read_all(store)  # every byte still right: served by the primary
+        s = store.stats()
+        assert s["failovers"] > 0 and s["retries"] >= s["failovers"]
+        assert s["per_replica"][str(mirror)]["errors"] >= DEGRADE_AFTER
+        assert any(p.startswith(str(mirror)) for p in s["degraded"])
+        assert s["load_errors"] == 0
+
+
+async def test_every_replica_failing_names_a_file(mirrored: tuple[Path, Path]) -> None:
+    primary, mirror = mirrored
+    async with await ExpertStore.open(primary, budget_bytes=1 << 20, mirrors=[mirror]) as store:
+        for folder in (primary, mirror):
+            for shard in folder.glob("*.safetensors"):
+                os.truncate(shard, 1000)
+        with pytest.raises(StoreError, match=r"\.safetensors: short read"):
+            async with store.acquire((0, 0)):
+                pass
+
+
+async def test_weighted_hash_follows_weights() -> None:
+    replicas = [[Replica("/a/x", "sda", 0, weight=1.0), Replica("/b/x", "sdb", 1, weight=3.0)]]
+    router = Router(replicas)
+    firsts = [router.order((layer, expert), 0)[0].path for layer in range(100) for expert in range(100)]
+    share = firsts.count("/b/x") / len(firsts)
+    assert 0.72 < share < 0.78
+    assert router.order((5, 5), 0)[0].path == router.order((5, 5), 0)[0].path
+
+
+async def test_least_pending_prefers_the_idle_drive() -> None:
+    pending = {"sda": 5, "sdb": 0}
+    replicas = [[Replica("/a/x", "sda", 0), Replica("/b/x", "sdb", 1)]]
+    router = Router(replicas, "least_pending", pending=lambda d: pending[d])
+    assert all(router.order((i, 0), 0)[0].device == "sdb" for i in range(50))
+
+
+async def test_degraded_replica_is_skipped_then_retried() -> None:
+    now = [100.0]
+    replicas = [[Replica("/a/x", "sda", 0), Replica("/b/x", "sdb", 1)]]
+    router = Router(replicas, clock=lambda: now[0])
+    bad = replicas[0][1]
+    for _ in range(DEGRADE_AFTER):
+        router.failed(bad)
+    assert router.degraded() == ["/b/x"]
+    assert all(router.order((i, 0), 0)[0] is not bad for i in range(50))
+    now[0] += 10_000
+    assert router.degraded() == []
+    router.succeeded(bad)
+    assert bad.failures == 0
+
+
+async def test_weighted_routing_sends_less_to_a_slow_drive(mirrored: tuple[Path, Path]) -> None:
+    primary, mirror = mirrored
+    slow = ThrottledBackend(backends.create("pread"), {str(mirror): 2e6})
+    weights = {str(primary): 4.0, str(mirror): 1.0}
+    async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend=slow, mirrors=[mirror],
+                                      weights=weights) as store:
+        await read_all(store)
+        reps = store.stats()["per_replica"]
+        assert reps[str(primary)]["reads"] > 2 * reps[str(mirror)]["reads"] > 0
+
+
+async def test_queue_depth_and_priority() -> None:
+    queue = DeviceQueue(depth=2)
+    order: list[str] = []
+
+    async def read(name: str, ticket: Ticket) -> None:
+        await queue.acquire(ticket)
+        order.append(name)
+        await asyncio.sleep(0.01)
+        queue.release()
+
+    prefetch, demand = Ticket(PREFETCH), Ticket(DEMAND)
+    tasks = [asyncio.create_task(read(f"p{i}", prefetch)) for i in range(4)]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(read("d", demand)))
+    await asyncio.sleep(0)
+    assert queue.in_flight == 2 and queue.queued == 3
+    await asyncio.gather(*tasks)
+    assert order[:2] == ["p0", "p1"] and order[2] == "d"
+    assert queue.in_flight == 0 and queue.queued == 0
+
+
+async def test_promotion_and_cancellation_in_the_queue() -> None:
+    queue = DeviceQueue(depth=1)
+    await queue.acquire(Ticket(DEMAND))  # the one slot is taken
+    late, promoted = Ticket(PREFETCH), Ticket(PREFETCH)
+    cancelled = asyncio.create_task(queue.acquire(Ticket(DEMAND)))
+    first = asyncio.create_task(queue.acquire(late))
+    second = asyncio.create_task(queue.acquire(promoted))
+    await asyncio.sleep(0)
+    promoted.promote()
+    cancelled.cancel()
+    await asyncio.sleep(0)
+    queue.release()
+    await asyncio.sleep(0)
+    assert second.done() and not first.done(), "the promoted read goes before an older prefetch"
+    queue.release()
+    await first
+    queue.release()
+    assert queue.in_flight == 0 and queue.queued == 0
+
+
+async def test_demand_promotes_a_queued_prefetch(st_checkpoint: Path) -> None:
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, queue_depth=1) as store:
+        keys = sorted(store.index.experts)[:6]
+        assert store.prefetch(keys) == 6
+        async with store.acquire(keys[-1]) as view:  # queued behind five prefetches
+            assert view.data.tobytes() == expected_bytes(store.index, keys[-1])
+        s = store.stats()
+        assert s["prefetch_promoted"] == 1 and s["single_flight_joins"] == 1 and s["misses"] == 0
+        assert s["queue_waits"] > 0
+
+
+async def test_token_budget_refuses_prefetch_not_demand(st_checkpoint: Path) -> None:
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20) as probe:
+        one = next(iter(probe.index.experts.values())).nbytes
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, token_budget_bytes=2 * one) as store:
+        keys = sorted(store.index.experts)
+        assert store.prefetch(keys[:5]) == 2
+        s = store.stats()
+        assert s["prefetch_refused"] == 3 and s["prefetch_refused_bytes"] == 3 * one
+        async with store.acquire(keys[10]):  # demand is always served
+            pass
+        store.token_boundary()
+        assert store.prefetch(keys[2:5]) == 2
+
+
+async def test_bad_routing_options(st_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="round_robin"):
+        await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, routing="round_robin")
+    with pytest.raises(StoreError, match="queue_depth"):
+        await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, queue_depth=0)
+    with pytest.raises(StoreError, match="elsewhere"):
+        await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, weights={str(tmp_path / "elsewhere"): 2.0})
+    with pytest.raises(StoreError, match="token_budget_bytes"):
+        await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, token_budget_bytes=-1)
