@@ -26,7 +26,7 @@ for a resident view of its own memory instead of a read into a slab.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 
 class Caps(enum.Flag):
@@ -42,8 +42,13 @@ class Caps(enum.Flag):
 
 
 class Backend(Protocol):
-    name: ClassVar[str]
-    caps: ClassVar[Caps]
+    @property
+    def name(self) -> str:
+        """The backend's name (``pread``, ``odirect``, ``mmap``, ``uring``)."""
+
+    @property
+    def caps(self) -> Caps:
+        """What it can do."""
 
     def open(self, paths: Sequence[str]) -> None:
         """Open every file the store will read; file ``i`` of later calls is ``paths[i]``.
