@@ -43,6 +43,7 @@ class ReadPath:
         weights: Mapping[str, float],
         routing: str,
         queue_depth: int,
+        stripe_threshold: int = 4 << 20,
     ) -> None:
         """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
         was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
@@ -73,6 +74,12 @@ class ReadPath:
         self.bytes_read = 0
         self.retries = 0
         self.failovers = 0
+        self.stripe_threshold = stripe_threshold
+        self.striping = bool(backend.caps & backends.Caps.DIRECT) and self.zero_copy is None
+        """Only O_DIRECT reads are striped: buffered legs would put the expert in the page
+        cache of two drives' files, twice."""
+        self.stripes = 0
+        self.stripe_redos = 0
 
     def alignment(self, file: int) -> int:
         """The alignment reads of checkpoint file ``file`` need on every replica."""
@@ -83,7 +90,12 @@ class ReadPath:
 
     async def read_span(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int:
         """Read ``span`` of checkpoint file ``span.file`` into ``buf``, failing over between
-        replicas; returns the count, at least ``span.head + span.need``."""
+        replicas; returns the count, at least ``span.head + span.need``.  A large O_DIRECT read
+        of a file with several healthy replicas is striped across them first."""
+        if self.striping and span.length >= self.stripe_threshold:
+            got = await self._striped(key, span, buf, ticket)
+            if got is not None:
+                return got
         last: BaseException | None = None
         for attempt, replica in enumerate(self.router.order(key, span.file)):
             if attempt:
@@ -105,6 +117,45 @@ class ReadPath:
             return got
         assert last is not None
         raise last
+
+    async def _striped(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int | None:
+        """Split ``span`` into block-aligned legs, one per healthy replica, each as long as its
+        drive's weight says, and read them at once.  ``None`` (the caller then reads the whole
+        span from the routed replica) when there is one replica, or a leg failed or came back
+        short: a stripe is all or nothing, so no half-read expert is ever assembled."""
+        now = self.router.clock()
+        legs_of = [r for r in self.router.order(key, span.file) if r.healthy(now)]
+        if len(legs_of) < 2:
+            return None
+        align = self._align[span.file]
+        total = sum(r.weight for r in legs_of)
+        bounds = [0]
+        for replica in legs_of[:-1]:
+            step = int(span.length * replica.weight / total) // align * align
+            bounds.append(min(span.length, bounds[-1] + step))
+        bounds.append(span.length)
+        legs = [(r, lo, hi) for r, lo, hi in zip(legs_of, bounds, bounds[1:]) if hi > lo]
+        self.stripes += 1
+        results = await asyncio.gather(
+            *(self._one(r, span.offset + lo, hi - lo, buf[lo:hi], ticket) for r, lo, hi in legs),
+            return_exceptions=True,
+        )
+        got = 0
+        for (replica, lo, hi), result in zip(legs, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, StoreError):
+                    raise result
+                self._failed(replica)
+                self.stripe_redos += 1
+                return None
+            got += result
+            if result < hi - lo:  # the file ends inside this leg: later legs must be empty
+                break
+        if got < span.head + span.need or got != sum(
+                r for r in results if isinstance(r, int)):
+            self.stripe_redos += 1
+            return None
+        return got
 
     async def map(self, key: Hashable, file: int, offset: int, length: int, ticket: Ticket) -> tuple[memoryview, int]:
         """A zero-copy backend's resident view of the bytes, from the first replica that
@@ -168,4 +219,6 @@ class ReadPath:
             "degraded": self.router.degraded(),
             "routing": self.router.policy,
             "queue_waits": sum(q.waited for q in self.queues.values()),
+            "stripes": self.stripes,
+            "stripe_redos": self.stripe_redos,
         }

@@ -67,6 +67,13 @@ SETTINGS: dict[str, Setting] = {
             "for MiB-sized reads. `iosched topology --probe` measures it per drive.",
         ),
         Setting(
+            "stripe_threshold", "IOSCHED_STRIPE_THRESHOLD", 4 << 20, _positive_int,
+            "O_DIRECT reads of at least this many bytes are split across the healthy replicas of "
+            "their file, legs proportional to the drives' weights. 4 MiB: below it a read is one "
+            "or two of a drive's largest requests (max_sectors_kb is commonly 1-4 MiB), so splitting "
+            "adds a request per leg without adding bandwidth.",
+        ),
+        Setting(
             "cache_dir", "IOSCHED_CACHE_DIR", "", str,
             "Where `iosched demo` keeps its checkpoint; empty means `$XDG_CACHE_HOME/iosched` "
             "(`~/.cache/iosched`).",

@@ -172,7 +172,7 @@ class ExpertStore:
             be = backends.create(backend_name)
         await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
         io = ReadPath(be, replicas, roots, {os.path.abspath(k): v for k, v in (weights or {}).items()},
-                      routing, depth)
+                      routing, depth, int(_settings.get("stripe_threshold")))
         return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes)
 
     async def close(self) -> None:

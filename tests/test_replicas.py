@@ -224,3 +224,40 @@ async def test_bad_routing_options(st_checkpoint: Path, tmp_path: Path) -> None:
         await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, weights={str(tmp_path / "elsewhere"): 2.0})
     with pytest.raises(StoreError, match="token_budget_bytes"):
         await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, token_budget_bytes=-1)
+
+
+@pytest.mark.parametrize("direct_backend", ["odirect", "uring"])
+async def test_striping_weighted_and_all_or_nothing(mirrored: tuple[Path, Path], direct_backend: str) -> None:
+    reason = backends.available()[direct_backend]
+    if reason is not None:
+        pytest.skip(f"backend {direct_backend} is unavailable here: {reason}")
+    from iosched import override_settings
+
+    primary, mirror = mirrored
+    weights = {str(primary): 3.0, str(mirror): 1.0}
+    with override_settings(stripe_threshold=4096):  # every expert of the small checkpoint
+        async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend=direct_backend,
+                                          mirrors=[mirror], weights=weights) as store:
+            await read_all(store)
+            s = store.stats()
+            reps = s["per_replica"]
+            assert s["stripes"] == len(store.index.experts) and s["stripe_redos"] == 0
+            share = reps[str(primary)]["bytes"] / (reps[str(primary)]["bytes"] + reps[str(mirror)]["bytes"])
+            assert 0.65 < share < 0.85, share
+        async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend=direct_backend,
+                                          mirrors=[mirror]) as store:
+            for shard in mirror.glob("*.safetensors"):
+                os.truncate(shard, 1000)
+            await read_all(store)  # a failed leg redoes the whole read on the routed replica
+            s = store.stats()
+            assert s["stripe_redos"] > 0 and s["load_errors"] == 0
+
+
+async def test_buffered_reads_are_never_striped(mirrored: tuple[Path, Path]) -> None:
+    from iosched import override_settings
+
+    primary, mirror = mirrored
+    with override_settings(stripe_threshold=4096):
+        async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend="pread", mirrors=[mirror]) as store:
+            await read_all(store)
+            assert store.stats()["stripes"] == 0
