@@ -1,0 +1,136 @@
+"""``iosched bench-replicas``: one replica, two with equal weights, two with measured weights,
+and striping equal against weighted, with the second drive slowed by a token bucket.
+
+Why a throttle: the development machine has one disk, and the question (does weighting by
+measured bandwidth beat equal weights when one drive is slower?) needs two drives of different
+speed.  The mirror is the same bytes in another folder; :class:`backends.throttle.ThrottledBackend`
+paces its reads to ``--slow-fraction`` of the primary's measured bandwidth.  Every arm reads
+every expert of a real checkpoint once, cold (O_DIRECT), with ``--concurrency`` acquires in
+flight; arms run interleaved, ``--reps`` times, medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import backends
+from backends.throttle import ThrottledBackend
+from iosched import ExpertStore, StoreError, override_settings
+
+from . import _runner
+from .demo import cache_dir
+from .synth import write_safetensors_moe
+
+ARMS = ("one replica", "two, equal weights", "two, measured weights",
+        "striped, equal weights", "striped, measured weights")
+
+
+def _checkpoint(layers: int, experts: int) -> tuple[Path, Path]:
+    """A checkpoint of ~3 MiB experts (Qwen3-30B-A3B's shape, bf16) and its mirror copy."""
+    base = cache_dir() / f"replicas-v1-{layers}x{experts}"
+    primary, mirror = base / "primary", base / "mirror"
+    if not (base / ".complete").exists():
+        shutil.rmtree(base, ignore_errors=True)
+        write_safetensors_moe(primary, n_layers=layers, n_experts=experts, hidden=2048,
+                              intermediate=768, dtype="bfloat16", n_shards=2, dense=False)
+        shutil.copytree(primary, mirror)
+        (base / ".complete").write_text("ok\n")
+    return primary, mirror
+
+
+async def _read_everything(primary: Path, mirrors: list[Path], rates: dict[str, float],
+                           weights: dict[str, float], concurrency: int) -> tuple[float, dict[str, Any]]:
+    backend = ThrottledBackend(backends.create("odirect"), rates)
+    async with await ExpertStore.open(primary, budget_bytes=1 << 30, backend=backend,
+                                      mirrors=mirrors, weights=weights) as store:
+        keys = sorted(store.index.experts)
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), concurrency):
+            async with store.acquire_many(keys[i:i + concurrency]):
+                pass
+        seconds = time.perf_counter() - t0
+        s = store.stats()
+        return s["bytes_read"] / seconds / 1e6, s
+
+
+async def _measure(primary: Path, mirror: Path, rates: dict[str, float], concurrency: int) -> dict[str, float]:
+    """Each replica's bandwidth alone: the probe the weights come from."""
+    alone_primary, _ = await _read_everything(primary, [], rates, {}, concurrency)
+    alone_mirror, _ = await _read_everything(mirror, [], rates, {}, concurrency)
+    return {str(primary): alone_primary, str(mirror): alone_mirror}
+
+
+async def run(layers: int, experts: int, slow_fraction: float, concurrency: int, reps: int) -> dict[str, Any]:
+    primary, mirror = _checkpoint(layers, experts)
+    # Measure the unthrottled disk first, then pace the mirror to a fraction of it.
+    base = await _measure(primary, mirror, {}, concurrency)
+    rate = base[str(primary)] * 1e6 * slow_fraction
+    rates = {str(mirror): rate}
+    measured = await _measure(primary, mirror, rates, concurrency)
+    top = max(measured.values())
+    weights = {path: mbps / top for path, mbps in measured.items()}
+    equal = {str(primary): 1.0, str(mirror): 1.0}
+    runs: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    shares: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    big = 1 << 40
+    for _ in range(reps):
+        for arm in ARMS:
+            striped = arm.startswith("striped")
+            mirrors = [] if arm == "one replica" else [mirror]
+            w = {} if not mirrors else weights if "measured" in arm else equal
+            with override_settings(stripe_threshold=(1 << 20) if striped else big):
+                mbps, s = await _read_everything(primary, mirrors, rates, w, concurrency)
+            runs[arm].append(mbps)
+            reps_ = s["per_replica"]
+            total = sum(r["bytes"] for r in reps_.values())
+            shares[arm].append(reps_[str(primary)]["bytes"] / total if total else 1.0)
+    return {
+        "checkpoint": str(primary), "mirror": str(mirror), "layers": layers, "experts": experts,
+        "slow_fraction": slow_fraction, "mirror_rate_mbps": rate / 1e6, "concurrency": concurrency,
+        "reps": reps, "measured_mbps": measured, "weights": weights,
+        "arms": [{"arm": arm, "mbps": statistics.median(runs[arm]), "mbps_reps": runs[arm],
+                  "primary_share": statistics.median(shares[arm])} for arm in ARMS],
+    }
+
+
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("bench-replicas", help="routing and striping over a fast and a throttled replica")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--slow-fraction", type=float, default=0.33,
+                   help="the mirror's bandwidth as a fraction of the primary's (default 0.33)")
+    p.add_argument("--concurrency", type=int, default=8, help="acquires in flight (default 8)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd)
+
+
+def cmd(args: argparse.Namespace) -> dict[str, Any]:
+    if not 0 < args.slow_fraction <= 1 or args.concurrency <= 0 or args.reps <= 0:
+        raise StoreError("--slow-fraction must be in (0, 1]; --concurrency and --reps positive")
+    out = _runner.run(lambda: run(args.layers, args.experts, args.slow_fraction, args.concurrency, args.reps))
+    if not args.json:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"replicas: mirror paced to {out['mirror_rate_mbps']:.0f} MB/s "
+                            f"({out['slow_fraction']:.0%} of the primary)")
+        for col in ("arm", "MB/s (median)", "primary's share of bytes", "reps"):
+            table.add_column(col)
+        for row in out["arms"]:
+            table.add_row(row["arm"], f"{row['mbps']:.0f}", f"{row['primary_share']:.0%}",
+                          ", ".join(f"{x:.0f}" for x in row["mbps_reps"]))
+        Console().print(table)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via tools.cli
+    from .cli import main as cli_main
+
+    return cli_main(["bench-replicas", *(argv or [])])
