@@ -19,7 +19,7 @@ from typing import Hashable, Mapping, Sequence, cast
 
 import backends
 
-from ._devices import device_of
+from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 from ._errors import ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
@@ -42,12 +42,14 @@ class ReadPath:
         roots: Sequence[str],
         weights: Mapping[str, float],
         routing: str,
-        queue_depth: int,
+        queue_depth: int | Mapping[str, int],
         stripe_threshold: int = 4 << 20,
     ) -> None:
         """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
         was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
-        j-th mirror's root, each path's replica root found by prefix; ``weights`` by root."""
+        j-th mirror's root, each path's replica root found by prefix; ``weights`` by root;
+        ``queue_depth`` one for every drive, or by drive name (``DEFAULT_QUEUE_DEPTH`` for the
+        drives not named).  Drives are named as ``iosched topology`` names them."""
         self.backend = backend
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
@@ -57,13 +59,16 @@ class ReadPath:
         self.per_replica: dict[str, ReplicaStats] = {root: ReplicaStats() for root in roots}
         self._root_of: dict[int, str] = {}
         table: list[list[Replica]] = []
+        discovery = Discovery()
         n = 0
         for paths in replicas:
             row = []
             for path in paths:
-                device = device_of(path)
+                device = discovery.drive_of(path).name
                 self.devices.setdefault(device, DeviceStats())
-                self.queues.setdefault(device, DeviceQueue(queue_depth))
+                depth = (queue_depth if isinstance(queue_depth, int)
+                         else queue_depth.get(device, DEFAULT_QUEUE_DEPTH))
+                self.queues.setdefault(device, DeviceQueue(depth))
                 root = next((r for r in roots if path == r or path.startswith(r.rstrip("/") + "/")), roots[0])
                 self._root_of[n] = root
                 row.append(Replica(path, device, n, weight=float(weights.get(root, 1.0))))

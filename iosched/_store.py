@@ -43,11 +43,17 @@ from ._lease import Lease, LeaseGroup
 from ._readplan import ReadPlan, Span, pack, plan_reads
 from ._router import POLICIES as ROUTING_POLICIES
 from ._scheduler import DEMAND, PREFETCH, Ticket
+from ._topology import Discovery, is_topology_file, load_topology
 from ._slab import Slab, SlabPool
 from ._stats import StoreStats
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
+
+
+def _drive_names(paths: Sequence[str]) -> dict[str, str]:
+    discovery = Discovery()
+    return {path: discovery.drive_of(path).name for path in paths}
 
 
 class _Loaded:
@@ -117,7 +123,8 @@ class ExpertStore:
         queue_depth: int | None = None,
         token_budget_bytes: int | None = None,
     ) -> "ExpertStore":
-        """Index ``source`` (a checkpoint folder or file), open its files, return the store.
+        """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
+        its mirrors), open its files, return the store.
 
         ``backend`` is a backend's name, or a :class:`backends.Backend` object (for example a
         fault-injecting wrapper around a real backend); ``None`` takes the ``backend`` setting.
@@ -134,6 +141,20 @@ class ExpertStore:
         """
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        stripe_threshold = int(_settings.get("stripe_threshold"))
+        depths: dict[str, int] | None = None
+        if is_topology_file(source):
+            # A topology file (``iosched topology --write``) names the checkpoint, its mirrors,
+            # the routing and each drive's weight and queue depth; explicit arguments win.
+            if mirrors:
+                raise StoreError(f"{source}: give mirrors in the topology file or as an argument, not both")
+            topo = await asyncio.to_thread(load_topology, source)
+            source, mirrors, routing = topo.primary, topo.mirrors, topo.routing_policy
+            stripe_threshold = topo.stripe_threshold_bytes
+            drives = await asyncio.to_thread(_drive_names, topo.paths)
+            if weights is None:
+                weights = {root: topo.device(name).weight for root, name in drives.items()}
+            depths = {name: cfg.queue_depth for name, cfg in topo.devices.items()}
         if routing not in ROUTING_POLICIES:
             raise StoreError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTING_POLICIES)}")
         depth = int(_settings.get("queue_depth")) if queue_depth is None else queue_depth
@@ -172,7 +193,8 @@ class ExpertStore:
             be = backends.create(backend_name)
         await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
         io = ReadPath(be, replicas, roots, {os.path.abspath(k): v for k, v in (weights or {}).items()},
-                      routing, depth, int(_settings.get("stripe_threshold")))
+                      routing, depths if depths is not None and queue_depth is None else depth,
+                      stripe_threshold)
         return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes)
 
     async def close(self) -> None:

@@ -236,9 +236,13 @@ def _toml_float(value: float) -> str:
     return repr(float(value))  # repr round-trips exactly and is valid TOML ("1.0", "3.1e-05")
 
 
-def dump_topology(topology: Topology) -> str:
-    """The TOML text of ``topology`` (absolute paths); ``loads_topology`` of it gives it back."""
-    lines = [f"version = {VERSION}", "", "[checkpoint]", f"primary = {_toml_str(topology.primary)}"]
+def dump_topology(topology: Topology, comment: str = "") -> str:
+    """The TOML text of ``topology`` (absolute paths); ``loads_topology`` of it gives it back.
+    ``comment`` (any number of lines) goes on top, each line as a ``#`` comment."""
+    clean = "".join(ch if ch in "\t\n" or (ord(ch) >= 0x20 and ord(ch) != 0x7F and not 0xD800 <= ord(ch) <= 0xDFFF)
+                    else "?" for ch in comment)
+    lines = [("# " + line).rstrip() for line in clean.splitlines()]
+    lines += [f"version = {VERSION}", "", "[checkpoint]", f"primary = {_toml_str(topology.primary)}"]
     lines.append("mirrors = [" + ", ".join(_toml_str(m) for m in topology.mirrors) + "]")
     for name, dev in topology.devices.items():
         lines += ["", "[[device]]", f"name = {_toml_str(name)}", f"queue_depth = {int(dev.queue_depth)}",

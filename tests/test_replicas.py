@@ -261,3 +261,26 @@ async def test_buffered_reads_are_never_striped(mirrored: tuple[Path, Path]) -> 
         async with await ExpertStore.open(primary, budget_bytes=1 << 20, backend="pread", mirrors=[mirror]) as store:
             await read_all(store)
             assert store.stats()["stripes"] == 0
+
+
+async def test_open_a_topology_file(mirrored: tuple[Path, Path], tmp_path: Path) -> None:
+    from iosched._topology import TopologyError
+
+    primary, mirror = mirrored
+    topo = tmp_path / "topo.toml"
+    topo.write_text(
+        "version = 1\n[checkpoint]\n"
+        f'primary = "{primary}"\nmirrors = ["{mirror}"]\n'
+        '[routing]\npolicy = "least_pending"\nstripe_threshold_bytes = 4096\n'
+        '[[device]]\nname = "does-not-exist"\nqueue_depth = 3\nweight = 1.0\n'
+    )
+    async with await ExpertStore.open(topo, budget_bytes=1 << 20, backend="odirect") as store:
+        await read_all(store)
+        s = store.stats()
+        assert s["routing"] == "least_pending" and s["stripes"] > 0
+        assert set(s["per_replica"]) == {str(primary), str(mirror)}
+    topo.write_text(topo.read_text().replace("queue_depth = 3", "queue_depth = -3"))
+    with pytest.raises(TopologyError, match=r"topo\.toml: device\[0\]\.queue_depth"):
+        await ExpertStore.open(topo, budget_bytes=1 << 20)
+    with pytest.raises(StoreError, match="not both"):
+        await ExpertStore.open(topo, budget_bytes=1 << 20, mirrors=[mirror])

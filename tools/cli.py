@@ -38,10 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, replica_bench
+    from . import bench, replica_bench, topology
 
     bench.add_parser(sub)
     replica_bench.add_parser(sub)
+    topology.add_parser(sub)
 
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
     hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")
