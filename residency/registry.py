@@ -7,12 +7,15 @@ from typing import Callable
 from iosched._errors import StoreError
 
 from ._policy import Policy
+from .lfu import LFUPolicy
 from .lru import LRUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
     # "default" is the best policy the project has; until issue #5 lands that is LRU.
     "default": LRUPolicy,
+    # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
+    "lfu": LFUPolicy,
 }
 
 

@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, replica_bench, topology
+    from . import bench, replay, replica_bench, topology
 
     bench.add_parser(sub)
+    replay.add_parser(sub)
     replica_bench.add_parser(sub)
     topology.add_parser(sub)
 

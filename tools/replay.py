@@ -1,0 +1,481 @@
+"""``iosched replay``: replay a routing trace through the residency code, without I/O.
+
+Why it exists: a residency policy is chosen on hit ratios over real MoE routing, and those
+numbers are only worth something if they come from the very objects the store runs.  So the
+simulation drives a :class:`~residency.ResidencyTable` with a policy from
+:func:`~residency.make_policy`, request by request, exactly as the store does on ``acquire``
+(there is no second copy of any policy):
+
+    entry = table.get(key); hit = entry is not None
+    table.policy.on_request(key, nbytes, hit)
+    on a miss:  e = table.reserve(key, nbytes); table.publish(e)
+                if e.transient: table.remove(e)      # not admitted: served transiently
+
+Nothing is ever leased in a simulation, so ``reserve`` always finds room; an expert larger
+than the whole budget is a miss that caches nothing.  ``table.check()`` re-checks every
+invariant at the end of each run.  The statistics (hits, bytes) are this driver's, not the
+policies'.
+
+The request sequence and the metrics are the shared traces' README's (``tools/trace.py``
+builds the sequence): the whole sequence, prefill included, shapes the cache; ``decode_hit``
+is hits / requests over decode requests, ``byte_hit`` hit bytes / requested bytes over all
+requests.  Budgets are given in token cycles, TD = k x sum of the layers' expert_bytes.
+
+``--policy belady`` is the offline reference (``residency/belady.py``): it needs the future,
+so the store and the policy registry cannot build it; this tool builds it from the trace.
+``belady-bypass`` is the same rule with "OPT with bypass" admission and ``lfu-incache`` the
+in-cache LFU (libCacheSim's), kept for docs/residency.md's negative results.
+
+``--compare-libcachesim`` replays the same sequence (keys ``layer * n_expert + expert``, sizes
+the layer's expert_bytes, cache size = the budget in bytes) through libCacheSim's own
+implementations, rows named ``lcs:<algorithm>``; hits are taken from each ``get`` and the
+ratios computed by this driver, so both arms are measured the same way.
+
+Not implemented: the real-I/O replay (without ``--simulate``: an error says so), and the
+"call row layer expert:gate ..." text trace format mentioned in issue #5, whose exact
+definition is nowhere in the project or the shared folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from iosched import StoreError
+from iosched._errors import BudgetError
+from residency import POLICIES, ResidencyTable, make_policy
+from residency._policy import Key, Policy
+from residency.belady import NEVER, BeladyPolicy, next_uses
+from residency.lfu import LFUPolicy
+
+from .trace import (
+    PHASE_DECODE,
+    RouteTrace,
+    TraceError,
+    bundled_trace_names,
+    load_bundled_trace,
+    load_route_trace,
+)
+
+DEFAULT_CYCLES = "0.5,1,2,4,8"
+DEFAULT_POLICIES = "lru,lfu,belady"
+
+OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
+"""Offline policies this tool builds from the trace, and whether they bypass (see
+``residency/belady.py``)."""
+
+VARIANTS: dict[str, Callable[[], Policy]] = {"lfu-incache": lambda: LFUPolicy(history=False)}
+"""Replay-only variants of registered policies (the same classes, other settings), kept for
+the negative results in docs/residency.md; the store does not offer them."""
+
+LIBCACHESIM_ALGOS: tuple[str, ...] = ("LRU", "LFU", "ARC", "S3FIFO", "Sieve", "WTinyLFU", "LHD",
+                                      "GDSF", "LeCaR", "Belady")
+"""libCacheSim classes replayed by ``--compare-libcachesim`` (``Belady`` gets each request's
+next access time, as its oracle traces carry)."""
+
+_INT64_MAX = (1 << 63) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the request sequence
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A trace's request sequence as plain Python lists (the replay loop's fastest form)."""
+
+    keys: list[tuple[int, int]]
+    """``(layer, expert)``: the store's keys."""
+    ids: list[int]
+    """``layer * n_expert + expert``: libCacheSim's integer object ids."""
+    sizes: list[int]
+    """Bytes of each request: its layer's expert_bytes from the header."""
+    decode: list[bool]
+    """Whether each request belongs to the decode phase."""
+
+    @classmethod
+    def of(cls, trace: RouteTrace) -> Requests:
+        layers = trace.req_layer.tolist()
+        experts = trace.req_expert.tolist()
+        return cls(
+            keys=list(zip(layers, experts)),
+            ids=[ly * trace.n_expert + ex for ly, ex in zip(layers, experts)],
+            sizes=trace.req_bytes.tolist(),
+            decode=(trace.req_phase == PHASE_DECODE).tolist(),
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def load_trace(spec: str) -> RouteTrace:
+    """A route_trace v1 file (``.gz`` read via gzip) or the name of a bundled trace."""
+    if os.path.exists(spec) or os.sep in spec or spec.endswith((".csv", ".gz")):
+        return load_route_trace(spec)
+    names = bundled_trace_names()
+    if spec in names:
+        return load_bundled_trace(spec)
+    raise TraceError(f"{spec}: no such trace file, and no bundled trace of that name "
+                     f"(bundled: {', '.join(names) if names else 'none'})")
+
+
+def policy_names() -> list[str]:
+    """Every name ``--policy`` accepts: the registry's and the offline ones."""
+    return sorted(set(POLICIES) | set(OFFLINE) | set(VARIANTS))
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise StoreError(f"--policy: empty list {text!r}")
+    known = policy_names()
+    for name in names:
+        if name not in known:
+            raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise StoreError(f"--policy {text!r} names a policy twice")
+    return names
+
+
+def parse_cycles(text: str) -> list[float]:
+    out: list[float] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise StoreError(f"--cycles: {item!r} is not a positive number of token cycles")
+        out.append(value)
+    if not out:
+        raise StoreError(f"--cycles: empty list {text!r}")
+    return out
+
+
+def budget_for(trace: RouteTrace, cycles: float) -> int:
+    """The budget in bytes for ``cycles`` token cycles (rounded down, at least one byte)."""
+    return max(1, int(cycles * trace.td_bytes))
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+
+
+def build_policy(name: str, reqs: Requests, budget: int) -> Policy:
+    """A fresh policy: from the registry, or an offline one built from the sequence."""
+    if name in OFFLINE:
+        keys: list[Key] = list(reqs.keys)
+        return BeladyPolicy(keys, bypass_budget=budget if OFFLINE[name] else None)
+    if name in VARIANTS:
+        return VARIANTS[name]()
+    return make_policy(name)
+
+
+def _row(policy: str, cycles: float, budget: int, reqs: Requests, hit_flags: list[bool],
+         seconds: float) -> dict[str, Any]:
+    """The driver's statistics of one run, from one hit flag per request."""
+    hits = dec_req = dec_hits = hit_bytes = 0
+    for hit, size, dec in zip(hit_flags, reqs.sizes, reqs.decode):
+        if dec:
+            dec_req += 1
+            dec_hits += hit
+        if hit:
+            hits += 1
+            hit_bytes += size
+    total_bytes = sum(reqs.sizes)
+    return {
+        "policy": policy,
+        "cycles": float(cycles),
+        "budget_bytes": budget,
+        "requests": len(reqs),
+        "decode_hit": dec_hits / dec_req if dec_req else 0.0,
+        "byte_hit": hit_bytes / total_bytes if total_bytes else 0.0,
+        "hits": hits,
+        "decode_requests": dec_req,
+        "decode_hits": dec_hits,
+        "hit_bytes": hit_bytes,
+        "requested_bytes": total_bytes,
+        "seconds": seconds,
+    }
+
+
+def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
+             check_every: int = 0) -> dict[str, Any]:
+    """Replay ``reqs`` through ``ResidencyTable(budget, policy)`` as the store drives it.
+
+    ``check_every``: also re-check the table's invariants every that many requests (tests).
+    """
+    t0 = time.perf_counter()
+    policy = build_policy(policy_name, reqs, budget)
+    table = ResidencyTable(budget, policy)
+    flags: list[bool] = []
+    oversize = 0
+    get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
+    on_request = table.policy.on_request
+    for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
+        hit = get(key) is not None
+        flags.append(hit)
+        on_request(key, nbytes, hit)
+        if not hit:
+            try:
+                entry = reserve(key, nbytes)
+            except BudgetError:
+                oversize += 1  # larger than the whole budget: a miss that caches nothing
+            else:
+                if entry is None:
+                    raise AssertionError(f"reserve of {key!r} found no room, but nothing is "
+                                         "leased or loading in a simulation")
+                publish(entry)
+                if entry.transient:
+                    remove(entry)
+        if check_every and (i + 1) % check_every == 0:
+            table.check()
+    table.check()
+    if isinstance(policy, BeladyPolicy) and not policy.finished:
+        raise AssertionError(f"Belady saw {policy.cursor} of {len(reqs)} requests")
+    row = _row(policy_name, cycles, budget, reqs, flags, time.perf_counter() - t0)
+    row.update(admissions=table.admissions, rejections=table.rejections,
+               evictions=table.evictions, oversize=oversize,
+               resident_bytes=table.used_bytes, resident_experts=len(table))
+    return row
+
+
+def libcachesim_module() -> Any:
+    """The installed libcachesim (untyped: imported dynamically), or a StoreError saying how."""
+    try:
+        return importlib.import_module("libcachesim")
+    except ImportError as exc:
+        raise StoreError(f"--compare-libcachesim needs libcachesim ({exc}); "
+                         "pip install libcachesim") from None
+
+
+@contextlib.contextmanager
+def _c_stdout_to_stderr() -> Iterator[None]:
+    """Send what C code prints to stdout to stderr instead, while the block runs.
+
+    libCacheSim prints warnings with ``printf`` (e.g. WTinyLFU's "CBF ... has too few
+    counters" for small caches), which would break "exactly one JSON object on stdout".
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 at all: nothing to protect
+        yield
+        return
+    libc: Any = None
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        pass
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        if libc is not None:
+            libc.fflush(None)  # C stdio buffers: out to the redirected fd, not after it
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def simulate_libcachesim(reqs: Requests, algo: str, cycles: float, budget: int,
+                         nxt: list[int] | None = None) -> dict[str, Any]:
+    """Replay ``reqs`` through libCacheSim's ``algo`` with a cache of ``budget`` bytes."""
+    lcs = libcachesim_module()
+    if algo == "Belady" and nxt is None:
+        nxt = next_uses(list(reqs.ids))
+    t0 = time.perf_counter()
+    flags: list[bool] = []
+    with _c_stdout_to_stderr():
+        cache = getattr(lcs, algo)(budget)
+        req = lcs.Request()
+        get = cache.get
+        if nxt is not None and algo == "Belady":
+            for oid, size, nu in zip(reqs.ids, reqs.sizes, nxt):
+                req.obj_id = oid
+                req.obj_size = size
+                req.next_access_vtime = _INT64_MAX if nu == NEVER else nu
+                flags.append(bool(get(req)))
+        else:
+            for oid, size in zip(reqs.ids, reqs.sizes):
+                req.obj_id = oid
+                req.obj_size = size
+                flags.append(bool(get(req)))
+    row = _row(f"lcs:{algo}", cycles, budget, reqs, flags, time.perf_counter() - t0)
+    row["resident_bytes"] = int(cache.get_occupied_byte())
+    row["resident_experts"] = int(cache.get_n_obj())
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# a sweep
+
+
+def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Sequence[str],
+           compare_libcachesim: bool = False,
+           on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every policy (then every libCacheSim algorithm) at every budget; the contract's object.
+
+    ``on_run(label)`` is called before each run (progress bars).
+    """
+    reqs = Requests.of(trace)
+    lcs_version: str | None = None
+    if compare_libcachesim:
+        lcs_version = str(getattr(libcachesim_module(), "__version__", "unknown"))
+    results: list[dict[str, Any]] = []
+    for name in policies:
+        for c in cycles:
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles")
+            results.append(simulate(reqs, name, c, budget_for(trace, c)))
+    if compare_libcachesim:
+        nxt = next_uses(list(reqs.ids))
+        for algo in LIBCACHESIM_ALGOS:
+            for c in cycles:
+                if on_run is not None:
+                    on_run(f"lcs:{algo} @ {c:g} cycles")
+                results.append(simulate_libcachesim(reqs, algo, c, budget_for(trace, c), nxt))
+    out: dict[str, Any] = {
+        "trace": label,
+        "k": trace.k,
+        "td_bytes": trace.td_bytes,
+        "results": results,
+        "source": trace.source,
+        "model": trace.model,
+        "arch": trace.arch,
+        "requests": len(reqs),
+        "decode_requests": sum(reqs.decode),
+        "distinct_experts": len(set(reqs.keys)),
+    }
+    if lcs_version is not None:
+        out["libcachesim_version"] = lcs_version
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register ``iosched replay`` on ``sub`` (``tools/cli.py``'s subparsers)."""
+    p = sub.add_parser("replay", help="replay a routing trace through the residency policies (no I/O)",
+                       description=__doc__.splitlines()[0] if __doc__ else None)
+    _add_arguments(p)
+    p.set_defaults(func=cmd_replay)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE",
+                   help="a route_trace v1 CSV (.gz read via gzip), or a bundled trace: qwen, gemma")
+    p.add_argument("--simulate", action="store_true",
+                   help="replay through the residency table in virtual time, without I/O "
+                        "(the only mode built so far)")
+    p.add_argument("--cycles", default=DEFAULT_CYCLES,
+                   help=f"budgets in token cycles, comma list (default {DEFAULT_CYCLES})")
+    p.add_argument("--policy", default=DEFAULT_POLICIES,
+                   help=f"policies, comma list (default {DEFAULT_POLICIES}); "
+                        f"one of {', '.join(policy_names())}")
+    p.add_argument("--compare-libcachesim", action="store_true",
+                   help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
+                        + " (rows lcs:NAME)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``replay`` subcommand; returns the JSON object."""
+    if not args.simulate:
+        raise StoreError("replay with real I/O is not built yet; pass --simulate to replay "
+                         "through the residency table in virtual time")
+    cycles = parse_cycles(args.cycles)
+    policies = parse_policies(args.policy)
+    if args.compare_libcachesim:
+        libcachesim_module()  # fail before the trace is parsed
+    trace = load_trace(args.trace)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    runs = (len(policies) + (len(LIBCACHESIM_ALGOS) if args.compare_libcachesim else 0)) * len(cycles)
+    err = Console(stderr=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as progress:
+        task = progress.add_task("replay", total=runs)
+        started = [False]
+
+        def on_run(label: str) -> None:
+            if started[0]:
+                progress.advance(task)
+            started[0] = True
+            progress.update(task, description=label)
+
+        out = replay(trace, args.trace, cycles, policies, args.compare_libcachesim, on_run)
+        progress.update(task, completed=runs)
+    if not args.json:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 140))
+        console.print(result_table(out))
+    return out
+
+
+def result_table(out: dict[str, Any]) -> Any:
+    """A rich table: one row per policy, ``decode hit % / byte hit %`` per budget."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cycles: list[float] = []
+    rows: dict[str, dict[float, dict[str, Any]]] = {}
+    for r in out["results"]:
+        if r["cycles"] not in cycles:
+            cycles.append(r["cycles"])
+        rows.setdefault(r["policy"], {})[r["cycles"]] = r
+    table = Table(title=f"iosched replay {out['trace']}: decode hit % / byte hit % per budget "
+                        "(token cycles)")
+    table.add_column("policy", no_wrap=True)
+    for c in cycles:
+        table.add_column(f"{c:g} TD", justify="right")
+    for name, by_c in rows.items():
+        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
+                 if c in by_c else "-" for c in cycles]
+        table.add_row(name, *cells)
+    note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
+            f"{out['requests']} requests ({out['decode_requests']} decode), "
+            f"{out['distinct_experts']} distinct experts")
+    return Group(table, Text(note, style="dim"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``iosched replay`` on its own (tests, ``python -m tools.replay``); ``argv`` excludes
+    ``replay``.  Same conventions as ``tools/cli.py``: one JSON object with ``--json``, and
+    ``{"error": ...}`` with exit status 2 on bad input."""
+    parser = argparse.ArgumentParser(prog="iosched replay",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        result = cmd_replay(args)
+    except StoreError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        else:
+            print(f"iosched replay: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
