@@ -14,6 +14,7 @@ For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import asdict, dataclass
 from typing import Hashable, Mapping, Sequence, cast
 
@@ -23,8 +24,16 @@ from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 from ._errors import ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
-from ._scheduler import DeviceQueue, Ticket
+from ._scheduler import HINT, DeviceQueue, Ticket
 from ._stats import DeviceStats
+
+
+def _fadvise_willneed(path: str, offset: int, length: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -32,6 +41,8 @@ class ReplicaStats:
     reads: int = 0
     bytes: int = 0
     errors: int = 0
+    pending: int = 0
+    """Reads queued for or in flight on this replica: what ``least_pending`` balances."""
 
 
 class ReadPath:
@@ -74,7 +85,8 @@ class ReadPath:
                 row.append(Replica(path, device, n, weight=float(weights.get(root, 1.0))))
                 n += 1
             table.append(row)
-        self.router = Router(table, routing, pending=lambda device: self.devices[device].in_flight)
+        self.router = Router(table, routing,
+                             pending=lambda replica: self.per_replica[self._root_of[replica.file]].pending)
         self._align = [max(backend.alignment(r.file) for r in row) for row in table]
         self.bytes_read = 0
         self.retries = 0
@@ -85,6 +97,7 @@ class ReadPath:
         cache of two drives' files, twice."""
         self.stripes = 0
         self.stripe_redos = 0
+        self.hints = 0
 
     def alignment(self, file: int) -> int:
         """The alignment reads of checkpoint file ``file`` need on every replica."""
@@ -171,17 +184,22 @@ class ReadPath:
             if attempt:
                 self.retries += 1
             queue, dev = self.queues[replica.device], self.devices[replica.device]
-            await queue.acquire(ticket)
-            dev.in_flight += 1
+            rep = self.per_replica[self._root_of[replica.file]]
+            rep.pending += 1
             try:
-                view = await self.zero_copy.map(replica.file, offset, length)
+                await queue.acquire(ticket)
+                dev.in_flight += 1
+                try:
+                    view = await self.zero_copy.map(replica.file, offset, length)
+                finally:
+                    dev.in_flight -= 1
+                    queue.release()
             except StoreError as exc:
                 self._failed(replica)
                 last = exc
                 continue
             finally:
-                dev.in_flight -= 1
-                queue.release()
+                rep.pending -= 1
             self._count(replica, length)
             self.router.succeeded(replica)
             self.failovers += attempt > 0
@@ -189,15 +207,36 @@ class ReadPath:
         assert last is not None
         raise last
 
+    async def hint(self, key: Hashable, file: int, offset: int, length: int) -> bool:
+        """``posix_fadvise(WILLNEED)`` the bytes on the routed replica, in the ``HINT`` class:
+        the kernel starts reading them into the page cache; nothing is owned or counted against
+        the budget.  False when it could not be given (the file is gone, for instance)."""
+        replica = self.router.order(key, file)[0]
+        queue = self.queues[replica.device]
+        await queue.acquire(Ticket(HINT))
+        try:
+            await asyncio.to_thread(_fadvise_willneed, replica.path, offset, length)
+        except OSError:
+            return False
+        finally:
+            queue.release()
+        self.hints += 1
+        return True
+
     async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview, ticket: Ticket) -> int:
         queue, dev = self.queues[replica.device], self.devices[replica.device]
-        await queue.acquire(ticket)
-        dev.in_flight += 1
+        rep = self.per_replica[self._root_of[replica.file]]
+        rep.pending += 1
         try:
-            got = await self.backend.read(replica.file, offset, length, buf)
+            await queue.acquire(ticket)
+            dev.in_flight += 1
+            try:
+                got = await self.backend.read(replica.file, offset, length, buf)
+            finally:
+                dev.in_flight -= 1
+                queue.release()
         finally:
-            dev.in_flight -= 1
-            queue.release()
+            rep.pending -= 1
         self._count(replica, got)
         return got
 
@@ -224,6 +263,7 @@ class ReadPath:
             "degraded": self.router.degraded(),
             "routing": self.router.policy,
             "queue_waits": sum(q.waited for q in self.queues.values()),
+            "hints": self.hints,
             "stripes": self.stripes,
             "stripe_redos": self.stripe_redos,
         }

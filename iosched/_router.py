@@ -8,8 +8,9 @@ its mirrors).  Two routing policies:
   replica maximising ``-weight / ln(u)``, ``u`` a uniform hash of (key, replica), is chosen with
   probability proportional to its weight).  Deterministic, so a prefetch and the demand read of
   one expert go to the same drive, and adding a mirror moves only the experts it wins.
-* ``least_pending`` (md RAID1's read balancing): the replica whose drive has the fewest reads
-  in flight, ties broken by weight, then by the hash order.
+* ``least_pending`` (md RAID1's read balancing): the replica with the fewest reads in flight
+  (each replica is one drive in production; counting per replica also keeps two replicas that
+  share a drive in a test apart), ties broken by weight, then by the hash order.
 
 A replica that fails :data:`DEGRADE_AFTER` reads in a row is *degraded*: skipped for
 :data:`RETRY_AFTER_S` seconds, then tried again (one success clears it).  A degraded replica is
@@ -58,8 +59,8 @@ class Router:
     replicas: list[list[Replica]]
     """Per logical checkpoint file, its replicas, primary first."""
     policy: str = "hash"
-    pending: Callable[[str], int] = field(default=lambda device: 0)
-    """Reads in flight on a device (the core's counters), for ``least_pending``."""
+    pending: Callable[[Replica], int] = field(default=lambda replica: 0)
+    """Reads in flight on a replica (the core's counters), for ``least_pending``."""
     clock: Callable[[], float] = time.monotonic
 
     def order(self, key: Hashable, file: int) -> list[Replica]:
@@ -72,7 +73,7 @@ class Router:
         scored = sorted(candidates, key=lambda r: -r.weight / math.log(_unit_hash(key, r.path)),
                         reverse=True)
         if self.policy == "least_pending":
-            scored.sort(key=lambda r: (self.pending(r.device), -r.weight))  # stable: hash order breaks ties
+            scored.sort(key=lambda r: (self.pending(r), -r.weight))  # stable: hash order breaks ties
         return [r for r in scored if r.healthy(now)] + [r for r in scored if not r.healthy(now)]
 
     def succeeded(self, replica: Replica) -> None:

@@ -5,7 +5,9 @@ without bandwidth once the drive is saturated, see docs/benchmarks.md).  Reads w
 slot are served by class, then in arrival order:
 
 * ``DEMAND``: an engine awaits the expert now;
-* ``PREFETCH``: a real prefetch, a load with a reserved slot that nobody awaits yet.
+* ``PREFETCH``: a real prefetch, a load with a reserved slot that nobody awaits yet;
+* ``HINT``: a page-cache hint (``posix_fadvise(WILLNEED)``), which owns nothing and goes only
+  when no read of a higher class waits.
 
 A demand acquire that joins a queued prefetch *promotes* it (:meth:`Ticket.promote`): its reads
 jump the queue instead of a second read being issued.
@@ -19,6 +21,7 @@ import itertools
 
 DEMAND = 0
 PREFETCH = 1
+HINT = 2
 
 
 class Ticket:

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 import backends
@@ -89,7 +89,7 @@ class ExpertStore:
         self._table = ResidencyTable(budget_bytes, make_policy(policy_name), self._on_evict)
         self._pool = SlabPool()
         self._closed = False
-        self._loads: set[asyncio.Task[None]] = set()
+        self._loads: set[asyncio.Task[Any]] = set()
         self._room_waiters: list[asyncio.Future[None]] = []
         self._tickets: dict[ExpertKey, Ticket] = {}
         """The priority of each load in flight (a demand join promotes a prefetch's)."""
@@ -97,6 +97,7 @@ class ExpertStore:
         self._speculative_bytes = 0
         """Bytes prefetch started since the last token boundary."""
         self._prefetch_refused = self._prefetch_refused_bytes = self._prefetch_promoted = 0
+        self._hints_skipped = 0
         self._requests = self._hits = self._misses = self._joins = 0
         self._load_errors = 0
         self._prefetch_issued = self._prefetch_dropped = 0
@@ -256,6 +257,29 @@ class ExpertStore:
         self._prefetch_issued += started
         return started
 
+    def hint(self, keys: Iterable[ExpertKey]) -> int:
+        """Ask the kernel to start reading experts into the page cache (``posix_fadvise``
+        WILLNEED), behind every demand and prefetch read of their drive.  A hint owns nothing:
+        no budget, no lease, no slab; it helps the buffered backends (``pread``, and ``mmap``'s
+        pre-touch) and is skipped by the O_DIRECT ones, which never read the page cache.  Never
+        blocks; returns how many hints it queued.  Unknown keys raise before any is queued."""
+        self._check_open()
+        layouts = [self._layout_of(key) for key in keys]
+        if self._backend.caps & backends.Caps.DIRECT:
+            self._hints_skipped += len(layouts)
+            return 0
+        loop = asyncio.get_running_loop()
+        queued = 0
+        for layout in layouts:
+            if self._table.get(layout.key) is not None:
+                continue
+            for ext in layout.extents:
+                task = loop.create_task(self._io.hint(layout.key, ext.file, ext.offset, ext.length))
+                self._loads.add(task)  # close() waits for it like a load
+                task.add_done_callback(self._loads.discard)
+                queued += 1
+        return queued
+
     def token_boundary(self) -> None:
         """Marks the start of the next token: the per-token prefetch byte budget starts over."""
         self._tokens += 1
@@ -300,14 +324,17 @@ class ExpertStore:
                 "prefetch_refused": self._prefetch_refused,
                 "prefetch_refused_bytes": self._prefetch_refused_bytes,
                 "prefetch_promoted": self._prefetch_promoted,
+                "hints_skipped": self._hints_skipped,
                 "token_budget_bytes": self._token_budget,
             },
         )
 
     def stats(self) -> dict[str, Any]:
-        """The contract's statistics dict (see ``StoreStats``)."""
-        out = asdict(self.statistics())
-        out.update(out.pop("extra"))
+        """The contract's statistics dict (see ``StoreStats``).  A shallow conversion: every
+        nested dict is built afresh by ``statistics()``, and engines may call this per token."""
+        snapshot = self.statistics()
+        out = {f.name: getattr(snapshot, f.name) for f in fields(snapshot) if f.name != "extra"}
+        out.update(snapshot.extra)
         return out
 
     def check_invariants(self) -> None:

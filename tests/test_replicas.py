@@ -119,7 +119,7 @@ async def test_weighted_hash_follows_weights() -> None:
 async def test_least_pending_prefers_the_idle_drive() -> None:
     pending = {"sda": 5, "sdb": 0}
     replicas = [[Replica("/a/x", "sda", 0), Replica("/b/x", "sdb", 1)]]
-    router = Router(replicas, "least_pending", pending=lambda d: pending[d])
+    router = Router(replicas, "least_pending", pending=lambda r: pending[r.device])
     assert all(router.order((i, 0), 0)[0].device == "sdb" for i in range(50))
 
 
@@ -284,3 +284,29 @@ async def test_open_a_topology_file(mirrored: tuple[Path, Path], tmp_path: Path)
         await ExpertStore.open(topo, budget_bytes=1 << 20)
     with pytest.raises(StoreError, match="not both"):
         await ExpertStore.open(topo, budget_bytes=1 << 20, mirrors=[mirror])
+
+
+async def test_hints_own_nothing_and_wait_behind_reads(st_checkpoint: Path) -> None:
+    from iosched._scheduler import HINT
+
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend="pread") as store:
+        keys = sorted(store.index.experts)[:4]
+        assert store.hint(keys) == sum(len(store.index.experts[k].extents) for k in keys)
+        while store.stats()["hints"] < 4:
+            await asyncio.sleep(0.001)
+        s = store.stats()
+        assert s["resident_bytes"] == 0 and s["bytes_read"] == 0 and s["leased"] == 0
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend="odirect") as store:
+        assert store.hint(sorted(store.index.experts)[:3]) == 0
+        assert store.stats()["hints_skipped"] == 3
+    queue = DeviceQueue(depth=1)
+    await queue.acquire(Ticket(DEMAND))
+    hint = asyncio.create_task(queue.acquire(Ticket(HINT)))
+    prefetch = asyncio.create_task(queue.acquire(Ticket(PREFETCH)))
+    await asyncio.sleep(0)
+    queue.release()
+    await asyncio.sleep(0)
+    assert prefetch.done() and not hint.done(), "a hint goes after a prefetch queued later"
+    queue.release()
+    await hint
+    queue.release()

@@ -27,7 +27,7 @@ from . import _runner
 from .demo import cache_dir
 from .synth import write_safetensors_moe
 
-ARMS = ("one replica", "two, equal weights", "two, measured weights",
+ARMS = ("one replica", "two, equal weights", "two, measured weights", "two, least pending",
         "striped, equal weights", "striped, measured weights")
 
 
@@ -45,10 +45,11 @@ def _checkpoint(layers: int, experts: int) -> tuple[Path, Path]:
 
 
 async def _read_everything(primary: Path, mirrors: list[Path], rates: dict[str, float],
-                           weights: dict[str, float], concurrency: int) -> tuple[float, dict[str, Any]]:
+                           weights: dict[str, float], concurrency: int,
+                           routing: str = "hash") -> tuple[float, dict[str, Any]]:
     backend = ThrottledBackend(backends.create("odirect"), rates)
     async with await ExpertStore.open(primary, budget_bytes=1 << 30, backend=backend,
-                                      mirrors=mirrors, weights=weights) as store:
+                                      mirrors=mirrors, weights=weights, routing=routing) as store:
         keys = sorted(store.index.experts)
         t0 = time.perf_counter()
         for i in range(0, len(keys), concurrency):
@@ -83,9 +84,10 @@ async def run(layers: int, experts: int, slow_fraction: float, concurrency: int,
         for arm in ARMS:
             striped = arm.startswith("striped")
             mirrors = [] if arm == "one replica" else [mirror]
-            w = {} if not mirrors else weights if "measured" in arm else equal
+            w = {} if not mirrors else equal if "equal" in arm else weights
+            routing = "least_pending" if "least pending" in arm else "hash"
             with override_settings(stripe_threshold=(1 << 20) if striped else big):
-                mbps, s = await _read_everything(primary, mirrors, rates, w, concurrency)
+                mbps, s = await _read_everything(primary, mirrors, rates, w, concurrency, routing)
             runs[arm].append(mbps)
             reps_ = s["per_replica"]
             total = sum(r["bytes"] for r in reps_.values())
@@ -107,14 +109,40 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                    help="the mirror's bandwidth as a fraction of the primary's (default 0.33)")
     p.add_argument("--concurrency", type=int, default=8, help="acquires in flight (default 8)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--plot", metavar="PATH.png", help="write a bar chart of MB/s per arm")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd)
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = out["arms"]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    xs = range(len(arms))
+    ax.bar(xs, [a["mbps"] for a in arms], color="#4c78a8", alpha=0.8, label="median")
+    for x, arm in zip(xs, arms):
+        ax.scatter([x] * len(arm["mbps_reps"]), arm["mbps_reps"], color="black", s=12, zorder=3)
+    ax.set_xticks(list(xs), [a["arm"] for a in arms], rotation=20, ha="right")
+    ax.set_ylabel("MB/s (10^6 B/s)")
+    ax.set_title(f"all experts read once, O_DIRECT, {out['concurrency']} in flight; mirror paced to "
+                 f"{out['mirror_rate_mbps']:.0f} MB/s ({out['slow_fraction']:.0%})", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def cmd(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 < args.slow_fraction <= 1 or args.concurrency <= 0 or args.reps <= 0:
         raise StoreError("--slow-fraction must be in (0, 1]; --concurrency and --reps positive")
     out = _runner.run(lambda: run(args.layers, args.experts, args.slow_fraction, args.concurrency, args.reps))
+    if args.plot:
+        plot(out, args.plot)
+        out["plot"] = args.plot
     if not args.json:
         from rich.console import Console
         from rich.table import Table
