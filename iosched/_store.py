@@ -40,7 +40,7 @@ from ._mirrors import find_replicas
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from ._lease import Lease, LeaseGroup
-from ._readplan import ReadPlan, Span, pack, plan_reads
+from ._readplan import ReadPlan, pack, plan_reads
 from ._router import POLICIES as ROUTING_POLICIES
 from ._scheduler import DEMAND, PREFETCH, Ticket
 from ._topology import Discovery, is_topology_file, load_topology

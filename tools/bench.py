@@ -36,7 +36,6 @@ import asyncio
 import ctypes
 import importlib
 import inspect
-import json
 import mmap
 import os
 import platform
@@ -924,22 +923,10 @@ def sweep_table(out: dict[str, Any]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched bench`` on its own (tests, ``python -m tools.bench``); ``argv`` excludes
-    ``bench``.  Same conventions as ``tools/cli.py``: one JSON object with ``--json``, and
-    ``{"error": ...}`` with exit status 2 on bad input."""
-    parser = argparse.ArgumentParser(prog="iosched bench", description=__doc__.splitlines()[0] if __doc__ else None)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        result = cmd_bench(args)
-    except StoreError as exc:
-        if args.json:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        else:
-            print(f"iosched bench: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    return 0
+    ``bench``.  The command line's own entry point runs it, with its conventions."""
+    from .cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

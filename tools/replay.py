@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import ctypes
 import importlib
-import json
 import math
 import os
 import sys
@@ -458,23 +457,10 @@ def result_table(out: dict[str, Any]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched replay`` on its own (tests, ``python -m tools.replay``); ``argv`` excludes
-    ``replay``.  Same conventions as ``tools/cli.py``: one JSON object with ``--json``, and
-    ``{"error": ...}`` with exit status 2 on bad input."""
-    parser = argparse.ArgumentParser(prog="iosched replay",
-                                     description=__doc__.splitlines()[0] if __doc__ else None)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        result = cmd_replay(args)
-    except StoreError as exc:
-        if args.json:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        else:
-            print(f"iosched replay: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    return 0
+    ``replay``.  The command line's own entry point runs it, with its conventions."""
+    from .cli import main as cli_main
+
+    return cli_main(["replay", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

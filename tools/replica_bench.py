@@ -12,7 +12,6 @@ flight; arms run interleaved, ``--reps`` times, medians reported.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import statistics
 import time
@@ -159,6 +158,8 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via tools.cli
+    import sys
+
     from .cli import main as cli_main
 
-    return cli_main(["bench-replicas", *(argv or [])])
+    return cli_main(["bench-replicas", *(sys.argv[1:] if argv is None else argv)])
