@@ -14,9 +14,10 @@ For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import asdict, dataclass
-from typing import Hashable, Mapping, Sequence, cast
+from typing import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence, TypeVar, cast
 
 import backends
 
@@ -26,6 +27,8 @@ from ._readplan import Span
 from ._router import Replica, Router
 from ._scheduler import HINT, DeviceQueue, Ticket
 from ._stats import DeviceStats
+
+T = TypeVar("T")
 
 
 def _fadvise_willneed(path: str, offset: int, length: int) -> None:
@@ -114,27 +117,18 @@ class ReadPath:
             got = await self._striped(key, span, buf, ticket)
             if got is not None:
                 return got
-        last: BaseException | None = None
-        for attempt, replica in enumerate(self.router.order(key, span.file)):
-            if attempt:
-                self.retries += 1
-            try:
-                got = await self._one(replica, span.offset, span.length, buf, ticket)
-                if got < span.head + span.need:
-                    raise ReadError(
-                        f"{replica.path}: short read of expert {key!r}: the file ends at "
-                        f"{span.offset + got}, before the extent's end at "
-                        f"{span.offset + span.head + span.need}; was it truncated?"
-                    )
-            except StoreError as exc:
-                self._failed(replica)
-                last = exc
-                continue
-            self.router.succeeded(replica)
-            self.failovers += attempt > 0
+
+        async def attempt(replica: Replica) -> int:
+            got = await self._one(replica, span.offset, span.length, buf, ticket)
+            if got < span.head + span.need:
+                raise ReadError(
+                    f"{replica.path}: short read of expert {key!r}: the file ends at "
+                    f"{span.offset + got}, before the extent's end at "
+                    f"{span.offset + span.head + span.need}; was it truncated?"
+                )
             return got
-        assert last is not None
-        raise last
+
+        return await self._failover(key, span.file, attempt)
 
     async def _striped(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int | None:
         """Split ``span`` into block-aligned legs, one per healthy replica, each as long as its
@@ -178,52 +172,41 @@ class ReadPath:
     async def map(self, key: Hashable, file: int, offset: int, length: int, ticket: Ticket) -> tuple[memoryview, int]:
         """A zero-copy backend's resident view of the bytes, from the first replica that
         serves them; returns the view and the backend file to unmap later."""
-        assert self.zero_copy is not None
-        last: BaseException | None = None
-        for attempt, replica in enumerate(self.router.order(key, file)):
-            if attempt:
+        zero_copy = self.zero_copy
+        assert zero_copy is not None
+
+        async def attempt(replica: Replica) -> tuple[memoryview, int]:
+            async with self._slot(replica, ticket):
+                view = await zero_copy.map(replica.file, offset, length)
+            self._count(replica, length)
+            return view, replica.file
+
+        return await self._failover(key, file, attempt)
+
+    async def _failover(self, key: Hashable, file: int,
+                        attempt: Callable[[Replica], Awaitable[T]]) -> T:
+        """``attempt`` on each replica of ``file`` in routing order until one succeeds;
+        the last replica's error when none does."""
+        last: StoreError | None = None
+        for tries, replica in enumerate(self.router.order(key, file)):
+            if tries:
                 self.retries += 1
-            queue, dev = self.queues[replica.device], self.devices[replica.device]
-            rep = self.per_replica[self._root_of[replica.file]]
-            rep.pending += 1
             try:
-                await queue.acquire(ticket)
-                dev.in_flight += 1
-                try:
-                    view = await self.zero_copy.map(replica.file, offset, length)
-                finally:
-                    dev.in_flight -= 1
-                    queue.release()
+                result = await attempt(replica)
             except StoreError as exc:
                 self._failed(replica)
                 last = exc
                 continue
-            finally:
-                rep.pending -= 1
-            self._count(replica, length)
             self.router.succeeded(replica)
-            self.failovers += attempt > 0
-            return view, replica.file
+            self.failovers += tries > 0
+            return result
         assert last is not None
         raise last
 
-    async def hint(self, key: Hashable, file: int, offset: int, length: int) -> bool:
-        """``posix_fadvise(WILLNEED)`` the bytes on the routed replica, in the ``HINT`` class:
-        the kernel starts reading them into the page cache; nothing is owned or counted against
-        the budget.  False when it could not be given (the file is gone, for instance)."""
-        replica = self.router.order(key, file)[0]
-        queue = self.queues[replica.device]
-        await queue.acquire(Ticket(HINT))
-        try:
-            await asyncio.to_thread(_fadvise_willneed, replica.path, offset, length)
-        except OSError:
-            return False
-        finally:
-            queue.release()
-        self.hints += 1
-        return True
-
-    async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview, ticket: Ticket) -> int:
+    @contextlib.asynccontextmanager
+    async def _slot(self, replica: Replica, ticket: Ticket) -> AsyncIterator[None]:
+        """A slot in the replica's drive queue, counted as pending on the replica while it
+        waits and in flight on the drive while held."""
         queue, dev = self.queues[replica.device], self.devices[replica.device]
         rep = self.per_replica[self._root_of[replica.file]]
         rep.pending += 1
@@ -231,12 +214,29 @@ class ReadPath:
             await queue.acquire(ticket)
             dev.in_flight += 1
             try:
-                got = await self.backend.read(replica.file, offset, length, buf)
+                yield
             finally:
                 dev.in_flight -= 1
                 queue.release()
         finally:
             rep.pending -= 1
+
+    async def hint(self, key: Hashable, file: int, offset: int, length: int) -> bool:
+        """``posix_fadvise(WILLNEED)`` the bytes on the routed replica, in the ``HINT`` class:
+        the kernel starts reading them into the page cache; nothing is owned or counted against
+        the budget.  False when it could not be given (the file is gone, for instance)."""
+        replica = self.router.order(key, file)[0]
+        try:
+            async with self._slot(replica, Ticket(HINT)):
+                await asyncio.to_thread(_fadvise_willneed, replica.path, offset, length)
+        except OSError:
+            return False
+        self.hints += 1
+        return True
+
+    async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview, ticket: Ticket) -> int:
+        async with self._slot(replica, ticket):
+            got = await self.backend.read(replica.file, offset, length, buf)
         self._count(replica, got)
         return got
 
