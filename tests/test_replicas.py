@@ -147,8 +147,9 @@ async def test_weighted_routing_sends_less_to_a_slow_drive(mirrored: tuple[Path,
         await read_all(store)
         reps = store.stats()["per_replica"]
         # 32 experts hashed 4:1 (the tmp path enters the hash): the mirror's count is about
-        # Binomial(32, 0.2), mean 6.4; it reaches 16 with probability ~3e-5.
-        assert reps[str(primary)]["reads"] > reps[str(mirror)]["reads"] > 0
+        # Binomial(32, 0.2), mean 6.4; it reaches 16 with probability ~3e-5 (the striping test
+        # checks the proportions exactly).
+        assert reps[str(primary)]["reads"] > reps[str(mirror)]["reads"]
 
 
 async def test_queue_depth_and_priority() -> None:
