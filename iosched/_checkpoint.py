@@ -33,6 +33,10 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
     * a single ``.safetensors`` file;
     * a ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no safetensors.
 
+    ``experts_per_token`` (k) comes from the folder's ``config.json`` (safetensors folders
+    only: a lone ``.safetensors`` file may be one shard of anything) or from the GGUF key
+    ``{arch}.expert_used_count``; it is ``None`` when the checkpoint does not say.
+
     Raises :class:`CheckpointError` when the path is none of these, a file is missing or
     malformed, or no expert tensor is found.
     """
@@ -46,10 +50,15 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
         if path.suffix == ".safetensors":
             return build_index("safetensors", root, _safetensors_index.index_file(path))
         if path.suffix == ".gguf":
-            return build_index("gguf", root, _gguf_index.index_gguf(path))
+            return _build_gguf(path, root)
     raise CheckpointError(
         f"checkpoint {path} is not a .safetensors file, a .gguf file or a folder of them"
     )
+
+
+def _build_gguf(path: Path, root: str) -> CheckpointIndex:
+    raws, k = _gguf_index.read_gguf(path)
+    return build_index("gguf", root, raws, k, f"{path} key '{{arch}}.expert_used_count'")
 
 
 def _load_folder(folder: Path, root: str) -> CheckpointIndex:
@@ -57,10 +66,12 @@ def _load_folder(folder: Path, root: str) -> CheckpointIndex:
         p.is_file() for p in folder.glob("*.safetensors")
     )
     if has_safetensors:
-        return build_index("safetensors", root, _safetensors_index.index_folder(folder))
+        k, k_source = _safetensors_index.experts_per_token_from_config(folder)
+        raws = _safetensors_index.index_folder(folder)
+        return build_index("safetensors", root, raws, k, k_source)
     ggufs = sorted(p for p in folder.glob("*.gguf") if p.is_file())
     if len(ggufs) == 1:
-        return build_index("gguf", root, _gguf_index.index_gguf(ggufs[0]))
+        return _build_gguf(ggufs[0], root)
     if len(ggufs) > 1:
         names = ", ".join(p.name for p in ggufs)
         raise CheckpointError(

@@ -42,7 +42,13 @@ class _GgufTensor:
 
 
 def index_gguf(path: Path) -> list[RawExpertTensor]:
-    """Expert slices of the merged ``*_exps`` tensors of the GGUF file ``path``.
+    """Expert slices of the GGUF file ``path`` (see :func:`read_gguf`)."""
+    return read_gguf(path)[0]
+
+
+def read_gguf(path: Path) -> tuple[list[RawExpertTensor], int | None]:
+    """Expert slices, and k (experts routed per token: ``{arch}.expert_used_count``, or
+    ``None`` when the file does not say), of of the merged ``*_exps`` tensors of the GGUF file ``path``.
 
     Canonical names: ``.weight`` of ``ffn_gate_exps`` -> ``gate_proj`` (likewise up, down);
     another suffix ``S`` -> ``gate_proj.S``. Raises :class:`CheckpointError` naming the file
@@ -50,7 +56,8 @@ def index_gguf(path: Path) -> list[RawExpertTensor]:
     """
     abspath = os.path.abspath(path)
     raws: list[RawExpertTensor] = []
-    for t in _tensor_table(path):
+    table, k = _tensor_table(path)
+    for t in table:
         m = _EXPERT_RE.fullmatch(t.name)
         if m is None:
             continue
@@ -80,11 +87,12 @@ def index_gguf(path: Path) -> list[RawExpertTensor]:
                     nbytes=per,
                 )
             )
-    return raws
+    return raws, k
 
 
-def _tensor_table(path: Path) -> list[_GgufTensor]:
-    """Every tensor of the file as plain numbers; the reader is gone when this returns.
+def _tensor_table(path: Path) -> tuple[list[_GgufTensor], int | None]:
+    """Every tensor of the file as plain numbers, and ``{arch}.expert_used_count``; the
+    reader is gone when this returns.
 
     Errors are re-raised outside the ``except`` block on purpose: a chained exception keeps
     the failing frames alive, and with them the reader's memory map.
@@ -93,16 +101,38 @@ def _tensor_table(path: Path) -> list[_GgufTensor]:
 
     failure = ""
     table: list[_GgufTensor] = []
+    k_key, k_value = "", None
     reader = None
     try:
         reader = gguf.GGUFReader(path, "r")
         table = [_plain(t) for t in reader.tensors]
+        k_key, k_value = _expert_used_count(reader)
     except Exception as exc:  # noqa: BLE001 - any reader failure means a corrupt file
         failure = f"{type(exc).__name__}: {exc}"
     reader = None  # drop the memory map now, and keep it out of the traceback below
     if failure:
         raise CheckpointError(f"{path}: not a readable GGUF file: {failure}")
-    return table
+    if k_value is None:
+        return table, None
+    if not isinstance(k_value, int) or isinstance(k_value, bool) or k_value < 1:
+        raise CheckpointError(
+            f"{path}: malformed GGUF metadata: key {k_key!r} is {k_value!r}, not a positive "
+            "integer (experts routed per token)"
+        )
+    return table, k_value
+
+
+def _expert_used_count(reader: Any) -> tuple[str, object]:
+    """``("{arch}.expert_used_count", value)`` as a plain Python value (``None`` if absent)."""
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
+        return "", None
+    key = f"{arch_field.contents()}.expert_used_count"
+    field = reader.fields.get(key)
+    if field is None:
+        return key, None
+    value = field.contents()
+    return key, value if isinstance(value, (int, float, str, list)) else repr(value)
 
 
 def _plain(t: Any) -> _GgufTensor:

@@ -54,8 +54,18 @@ class RawExpertTensor:
     nbytes: int
 
 
-def build_index(fmt: str, root: str, raws: Iterable[RawExpertTensor]) -> CheckpointIndex:
+def build_index(
+    fmt: str,
+    root: str,
+    raws: Iterable[RawExpertTensor],
+    experts_per_token: int | None = None,
+    k_source: str = "",
+) -> CheckpointIndex:
     """Validate ``raws`` and lay them out per expert.
+
+    ``experts_per_token`` is k as the checkpoint's metadata states it (``k_source`` names the
+    file and key, for the error): more than the experts of the largest layer is a
+    :class:`CheckpointError`, since a token cannot be routed to more experts than there are.
 
     ``files`` holds only the files with at least one expert tensor, in sorted order, so
     file indices are stable for a given checkpoint. Raises :class:`CheckpointError` on an
@@ -84,8 +94,19 @@ def build_index(fmt: str, root: str, raws: Iterable[RawExpertTensor]) -> Checkpo
     experts: dict[ExpertKey, ExpertLayout] = {}
     for key in sorted(by_key):
         experts[key] = _layout_expert(key, by_key[key], file_index)
+    if experts_per_token is not None:
+        per_layer: dict[int, int] = {}
+        for layer, _ in experts:
+            per_layer[layer] = per_layer.get(layer, 0) + 1
+        most = max(per_layer.values())
+        if experts_per_token > most:
+            raise CheckpointError(
+                f"{k_source or root}: experts per token is {experts_per_token}, but no layer "
+                f"of the checkpoint has more than {most} experts"
+            )
     return CheckpointIndex(
-        format=fmt, root=root, files=files, file_sizes=file_sizes, experts=experts
+        format=fmt, root=root, files=files, file_sizes=file_sizes, experts=experts,
+        experts_per_token=experts_per_token,
     )
 
 

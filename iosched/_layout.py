@@ -67,6 +67,10 @@ class CheckpointIndex:
     """Absolute paths of the files holding expert bytes."""
     file_sizes: tuple[int, ...]
     experts: Mapping[ExpertKey, ExpertLayout] = field(repr=False)
+    experts_per_token: int | None = None
+    """Experts routed per token in each MoE layer (k), from the checkpoint's own metadata:
+    ``config.json`` beside safetensors shards, ``{arch}.expert_used_count`` in GGUF; ``None``
+    when the checkpoint does not say. ``ExpertStore.open(experts_per_token=...)`` overrides it."""
 
     def layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.experts})

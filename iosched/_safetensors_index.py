@@ -34,6 +34,12 @@ from iosched._errors import CheckpointError
 from iosched._index_build import RawExpertTensor, check_in_file, check_no_overlap
 
 INDEX_JSON = "model.safetensors.index.json"
+CONFIG_JSON = "config.json"
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "top_k")
+"""Keys of ``config.json`` that name k, the experts routed per token, most specific first:
+``num_experts_per_tok`` (Qwen-MoE, Mixtral, DeepSeek, OLMoE ...), then the rarer spellings.
+``top_k`` comes last because it is also a generation parameter; a value larger than the
+checkpoint's experts per layer is rejected by ``build_index``."""
 MAX_HEADER_BYTES = 100 * 1000 * 1000
 """The same cap the safetensors library applies; a larger length is a corrupt file."""
 
@@ -126,6 +132,47 @@ def index_folder(folder: Path) -> list[RawExpertTensor]:
             if raw is not None:
                 raws.append(raw)
     return raws
+
+
+def experts_per_token_from_config(folder: Path) -> tuple[int | None, str]:
+    """k from the folder's ``config.json``, and where it came from (for error messages).
+
+    Looks at the top level, then at ``text_config`` (multimodal MoE configs nest the language
+    model's there). ``(None, "")`` when there is no ``config.json`` or it names no k; a file
+    that is not a JSON object, or a key whose value is not a positive integer, is a
+    :class:`CheckpointError` naming the file and the key.
+    """
+    path = folder / CONFIG_JSON
+    if not path.is_file():
+        return None, ""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        keys = ", ".join(EXPERTS_PER_TOKEN_KEYS)
+        raise CheckpointError(
+            f"{path}: malformed config.json, cannot read the experts per token ({keys}): {exc}"
+        ) from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(
+            f"{path}: malformed config.json: a JSON {type(doc).__name__}, not an object "
+            f"(looking for key {EXPERTS_PER_TOKEN_KEYS[0]!r})"
+        )
+    scopes: list[tuple[str, dict[str, Any]]] = [("", doc)]
+    nested = doc.get("text_config")
+    if isinstance(nested, dict):
+        scopes.append(("text_config.", nested))
+    for prefix, scope in scopes:
+        for key in EXPERTS_PER_TOKEN_KEYS:
+            if key not in scope:
+                continue
+            value = scope[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(
+                    f"{path}: malformed config.json: key {prefix + key!r} is {value!r}, "
+                    "not a positive integer (experts routed per token)"
+                )
+            return value, f"{path} key {prefix + key!r}"
+    return None, ""
 
 
 def index_file(path: Path) -> list[RawExpertTensor]:

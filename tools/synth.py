@@ -45,6 +45,7 @@ def write_safetensors_moe(
     naming: Naming = "qwen",
     seed: int = 0,
     dense: bool = True,
+    experts_per_token: int | None = None,
 ) -> Path:
     """Write a Hugging Face style MoE checkpoint into ``folder`` and return the folder.
 
@@ -57,6 +58,8 @@ def write_safetensors_moe(
     Layers are split into ``n_shards`` contiguous ranges: one shard is ``model.safetensors``,
     several are ``model-0000i-of-0000n.safetensors`` (the Hugging Face names).
     ``index_json`` writes ``model.safetensors.index.json`` with the ``weight_map``.
+    ``experts_per_token`` (k) writes a minimal ``config.json`` with ``num_experts_per_tok``
+    (and the expert count under the naming's key); ``None`` writes no ``config.json``.
     """
     _check_sizes(n_layers=n_layers, n_experts=n_experts, hidden=hidden, intermediate=intermediate)
     if dtype not in ("bfloat16", "float16", "float32"):
@@ -65,6 +68,8 @@ def write_safetensors_moe(
         raise ValueError(f"naming must be 'qwen' or 'mixtral', not {naming!r}")
     if not 1 <= n_shards <= n_layers:
         raise ValueError(f"n_shards must be between 1 and n_layers ({n_layers}), not {n_shards}")
+    if experts_per_token is not None:
+        _check_sizes(experts_per_token=experts_per_token)
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +99,16 @@ def write_safetensors_moe(
     if index_json:
         doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if experts_per_token is not None:
+        config = {
+            "model_type": "qwen3_moe" if naming == "qwen" else "mixtral",
+            "num_hidden_layers": n_layers,
+            "hidden_size": hidden,
+            "moe_intermediate_size" if naming == "qwen" else "intermediate_size": intermediate,
+            "num_experts" if naming == "qwen" else "num_local_experts": n_experts,
+            "num_experts_per_tok": experts_per_token,
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -106,6 +121,7 @@ def write_gguf_moe(
     intermediate: int,
     dtype: GgufDtype = "float16",
     seed: int = 0,
+    experts_per_token: int | None = None,
 ) -> Path:
     """Write a llama.cpp style MoE GGUF file (architecture ``qwen3moe``) and return its path.
 
@@ -113,12 +129,16 @@ def write_gguf_moe(
     shape ``(n_experts, intermediate, hidden)`` and ``blk.{L}.ffn_down_exps.weight`` of shape
     ``(n_experts, hidden, intermediate)``. Also written, for the index to skip: the token
     embedding and, per layer, the router ``blk.{L}.ffn_gate_inp.weight`` and ``attn_q``.
+    ``qwen3moe.expert_used_count`` (k) is ``experts_per_token``, by default
+    ``min(2, n_experts)``.
     """
     import gguf
 
     _check_sizes(n_layers=n_layers, n_experts=n_experts, hidden=hidden, intermediate=intermediate)
     if dtype not in ("float16", "float32"):
         raise ValueError(f"dtype must be float16 or float32, not {dtype!r}")
+    if experts_per_token is not None:
+        _check_sizes(experts_per_token=experts_per_token)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -130,7 +150,7 @@ def write_gguf_moe(
         writer.add_embedding_length(hidden)
         writer.add_expert_feed_forward_length(intermediate)
         writer.add_expert_count(n_experts)
-        writer.add_expert_used_count(min(2, n_experts))
+        writer.add_expert_used_count(min(2, n_experts) if experts_per_token is None else experts_per_token)
         writer.add_tensor("token_embd.weight", _values(rng, (_VOCAB, hidden), dtype))
         for layer in range(n_layers):
             blk = f"blk.{layer}"
