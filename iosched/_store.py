@@ -34,6 +34,7 @@ from residency._table import Entry, EntryState, ResidencyTable
 from residency.registry import make_policy
 
 from . import _settings
+from . import _sizing
 from ._checkpoint import load_index
 from ._io import ReadPath
 from ._mirrors import find_replicas
@@ -49,6 +50,17 @@ from ._stats import StoreStats
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
+
+
+def _transient_bytes(policy: object, index: CheckpointIndex, budget_bytes: int) -> int:
+    """The bounded slot that serves demand misses a policy does not admit: none for a policy
+    that admits everything; else one layer's batch of the largest experts (k of them, k from
+    the checkpoint, 1 when unknown), at most half the budget.  The same rule as the replay's
+    (``tools.replay.transient_bytes_for``), so simulated and real runs size it alike."""
+    if not getattr(policy, "uses_admission", False):
+        return 0
+    largest = max(layout.nbytes for layout in index.experts.values())
+    return min((index.experts_per_token or 1) * largest, budget_bytes // 2)
 
 
 def _drive_names(paths: Sequence[str]) -> dict[str, str]:
@@ -86,7 +98,9 @@ class ExpertStore:
         self._zero_copy = io.zero_copy
         self._backend_reason = backend_reason
         self._policy_name = policy_name
-        self._table = ResidencyTable(budget_bytes, make_policy(policy_name), self._on_evict)
+        policy = make_policy(policy_name)
+        self._table = ResidencyTable(budget_bytes, policy, self._on_evict,
+                                     transient_bytes=_transient_bytes(policy, index, budget_bytes))
         self._pool = SlabPool()
         self._closed = False
         self._loads: set[asyncio.Task[Any]] = set()
@@ -114,7 +128,7 @@ class ExpertStore:
     async def open(
         cls,
         source: str | os.PathLike[str],
-        budget_bytes: int,
+        budget_bytes: int | str,
         backend: "str | backends.Backend | None" = "auto",
         policy: str | None = "default",
         mirrors: Sequence[str | os.PathLike[str]] = (),
@@ -123,6 +137,7 @@ class ExpertStore:
         weights: Mapping[str, float] | None = None,
         queue_depth: int | None = None,
         token_budget_bytes: int | None = None,
+        experts_per_token: int | None = None,
     ) -> "ExpertStore":
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
@@ -137,11 +152,23 @@ class ExpertStore:
         drive (setting ``queue_depth``); ``token_budget_bytes`` caps the bytes prefetch may
         start between two ``token_boundary()`` calls (demand reads are never refused).
 
+        ``budget_bytes`` is a positive integer or ``"auto"``: as many whole token cycles
+        (``k × Σ largest expert per layer``, see ``iosched._sizing``) as fit in half of
+        ``MemAvailable``. ``experts_per_token`` (k) overrides the checkpoint's own value
+        (``config.json`` / GGUF ``expert_used_count``); ``"auto"`` needs one or the other. An
+        integer budget below one cycle logs a warning: LRU hits nothing below one cycle.
+
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
         """
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        auto = budget_bytes == "auto"
+        if not auto and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                         or budget_bytes <= 0):
+            raise BudgetError(f'budget_bytes must be a positive integer or "auto", got {budget_bytes!r}')
+        if experts_per_token is not None and (
+                isinstance(experts_per_token, bool) or not isinstance(experts_per_token, int)
+                or experts_per_token <= 0):
+            raise BudgetError(f"experts_per_token must be a positive integer, got {experts_per_token!r}")
         stripe_threshold = int(_settings.get("stripe_threshold"))
         depths: dict[str, int] | None = None
         if is_topology_file(source):
@@ -175,6 +202,31 @@ class ExpertStore:
         policy_name = policy or str(_settings.get("policy"))
         make_policy(policy_name)  # fail early, before any file is opened
         index = await asyncio.to_thread(load_index, source)
+        if experts_per_token is not None:
+            from dataclasses import replace  # the caller's k wins over the checkpoint's
+
+            index = replace(index, experts_per_token=experts_per_token)
+        k = index.experts_per_token
+        if auto and k is None:
+            raise BudgetError(
+                f'budget_bytes="auto" needs k, the experts routed per token, and {index.root} does '
+                "not say (no num_experts_per_tok in config.json, no expert_used_count in GGUF); "
+                "pass experts_per_token=K to ExpertStore.open"
+            )
+        td = None if k is None else _sizing.token_cycle_bytes(index, k)
+        if auto:
+            assert k is not None
+            available = await asyncio.to_thread(_sizing.mem_available)
+            budget_bytes = _sizing.auto_budget(index, k, available)
+            log.info("budget_bytes=\"auto\": %d bytes, %d token cycles of %d bytes (k=%d, "
+                     "MemAvailable %d)", budget_bytes, budget_bytes // (td or 1), td, k, available)
+        assert isinstance(budget_bytes, int)
+        if td is not None and budget_bytes < td:
+            log.warning(
+                "budget_bytes=%d is below one token cycle (%d bytes = k=%d experts per token x "
+                "the largest expert of each layer): LRU hits nothing below one cycle, every "
+                "expert is evicted before the next token reuses it", budget_bytes, td, k,
+            )
         reason: str | None = None
         if be is None:
             backend_name, reason = await asyncio.to_thread(backends.resolve, backend_name, index.files)
@@ -326,6 +378,7 @@ class ExpertStore:
                 "prefetch_promoted": self._prefetch_promoted,
                 "hints_skipped": self._hints_skipped,
                 "token_budget_bytes": self._token_budget,
+                **_sizing.cycle_stats(self._index, self._table.budget_bytes),
             },
         )
 

@@ -9,11 +9,26 @@ same policy objects through that table, so there is no second copy of any policy
 Keys are opaque hashables, ``(layer, expert)`` in practice.  Call order for one key:
 ``on_request`` for every request, then on a miss ``admit``; if admitted ``on_insert``, later
 ``on_remove`` exactly once (eviction, failed load, or close).
+
+``admit`` is asked with the keys the table would evict to make room for an admitted
+``key`` (``victims``, in the policy's own order, already filtered to evictable entries; empty
+when the bytes are free), so an admission filter can compare the candidate with what it
+would displace (W-TinyLFU, ``residency/wtinylfu.py``).  A rejected miss is served
+transiently (see :class:`residency.ResidencyTable`'s ``transient_bytes``).
+
+Optional hooks, called by the table only when the policy has them (so they are not part of
+the structural protocol, and LRU/LFU/Belady need not define them):
+
+* ``set_budget(budget_bytes: int) -> None``: called once at table construction with the
+  bytes admitted entries may use (the budget less the transient slot); a policy that sizes
+  segments in bytes (W-TinyLFU's window and protected region) takes it from here;
+* ``uses_admission: bool`` (class attribute): the policy may reject misses, so a driver
+  should give the table a transient slot (``tools/replay.py`` does).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Hashable, Iterator, Protocol
+from typing import ClassVar, Hashable, Iterator, Protocol, Sequence
 
 Key = Hashable
 
@@ -24,8 +39,9 @@ class Policy(Protocol):
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
         """A request for ``key``; ``hit`` when it was resident or loading at that moment."""
 
-    def admit(self, key: Key, nbytes: int) -> bool:
-        """Whether a missed ``key`` may enter the resident set (else it is served transiently)."""
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key]) -> bool:
+        """Whether a missed ``key`` may enter the resident set (else it is served transiently);
+        ``victims`` are the keys the table evicts if it does (empty when it fits as is)."""
 
     def on_insert(self, key: Key, nbytes: int) -> None:
         """``key`` entered the resident set (its bytes are reserved from now on)."""

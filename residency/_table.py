@@ -11,7 +11,29 @@ Invariants (re-checked by :meth:`check`):
 * an entry is evicted only when it is resident, unleased, unpinned and not transient;
 * the policy tracks exactly the non-transient entries;
 * a transient entry (a demand miss the policy did not admit) is visible for single-flight
-  while it loads and is dropped, never published, when its last lease ends.
+  while it loads and is dropped, never published, when its last lease ends;
+* ``admitted_bytes`` (the non-transient entries) never exceeds ``budget_bytes -
+  transient_bytes``, and ``transient_used`` is ``used_bytes - admitted_bytes``.
+
+The transient slot (``transient_bytes``, default 0).  With a slot, admitted entries are
+limited to ``budget_bytes - transient_bytes`` (the main region), so at least
+``transient_bytes - transient_used`` bytes are always free for misses the policy rejects: a
+rejected miss is reserved *without evicting anything* when ``used_bytes + nbytes <=
+budget_bytes`` (first the slot's own bytes, then, when the slot is full, whatever the main
+region leaves free), and otherwise ``reserve`` answers ``None`` while some transient holds
+bytes (the store waits for its lease to end; the replay removes transients at once and never
+gets there).  The one exception: with no transient at all, a rejected miss larger than the
+free bytes (only a miss larger than the slot can be) evicts as a slot-less table would, since
+waiting could not make room.
+Admitted entries never use the slot's free bytes, even when it is empty: simplest, and the
+main region then behaves exactly like a table of ``budget_bytes - transient_bytes``.  A miss
+larger than the main region but within the budget cannot be admitted at all; it is served
+transiently without asking the policy, as is a miss whose admission would need more than
+the evictable bytes (everything else leased, pinned or loading) when it fits beside them.
+
+With ``transient_bytes=0`` (no slot) the behaviour is the historical one: a rejected miss
+evicts exactly the victims an admitted one would (its bytes must be held somewhere while it
+loads and is computed on), and ``None`` means the evictable entries cannot free enough.
 """
 
 from __future__ import annotations
@@ -67,18 +89,35 @@ class ResidencyTable:
         budget_bytes: int,
         policy: Policy,
         on_evict: Callable[[Entry], None] | None = None,
+        transient_bytes: int = 0,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        if (isinstance(transient_bytes, bool) or not isinstance(transient_bytes, int)
+                or not 0 <= transient_bytes < budget_bytes):
+            raise BudgetError(f"transient_bytes must be an integer in [0, budget_bytes), "
+                              f"got {transient_bytes!r} (budget {budget_bytes})")
         self.budget_bytes = budget_bytes
+        self.transient_bytes = transient_bytes
+        self.main_bytes = budget_bytes - transient_bytes
+        """What admitted (non-transient) entries may use together."""
         self.policy = policy
         self._on_evict = on_evict
         self._entries: dict[Key, Entry] = {}
         self.used_bytes = 0
+        self.admitted_bytes = 0
         self.admissions = 0
         self.rejections = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        set_budget = getattr(policy, "set_budget", None)
+        if callable(set_budget):
+            set_budget(self.main_bytes)
+
+    @property
+    def transient_used(self) -> int:
+        """Bytes held by transient entries (in the slot or, when it is full, beyond it)."""
+        return self.used_bytes - self.admitted_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -104,18 +143,40 @@ class ResidencyTable:
             raise BudgetError(f"expert {key!r} has a negative size ({nbytes} bytes)")
         if key in self._entries:
             raise AssertionError(f"reserve of {key!r}, which is already in the table")
-        victims = self._victims_for(nbytes)
-        if victims is None:
-            return None
-        # Admission is asked only once the reservation is certain, so a stateful admission
-        # policy sees each decision once, however often a parked acquire retries.
-        admitted = self.policy.admit(key, nbytes)
-        for victim in victims:
+        victims: list[Entry] | None = None
+        if nbytes <= self.main_bytes:  # else it can never be admitted
+            victims = self._victims_for(max(self.used_bytes + nbytes - self.budget_bytes,
+                                            self.admitted_bytes + nbytes - self.main_bytes))
+        if self.transient_bytes == 0:
+            # No slot: a rejected miss takes the same victims as an admitted one, so admission
+            # is asked only once the reservation is certain and a stateful admission policy
+            # sees each decision once however often a parked acquire retries.
+            if victims is None:
+                return None
+            admitted = self.policy.admit(key, nbytes, [v.key for v in victims])
+        else:
+            # With a slot admission is asked whenever admitting is possible now; a rejection
+            # that must wait answers None and is asked again on the retry.
+            admitted = victims is not None and self.policy.admit(
+                key, nbytes, [v.key for v in victims])
+            if not admitted:
+                if self.used_bytes + nbytes <= self.budget_bytes:
+                    victims = []  # the slot, or free main bytes: nothing is evicted
+                elif self.used_bytes > self.admitted_bytes:
+                    return None  # the slot is busy: wait for a transient to end
+                else:
+                    # No transient to wait for, and a miss larger than the free bytes: evict
+                    # as a slot-less table would (else nothing could ever make room).
+                    victims = self._victims_for(self.used_bytes + nbytes - self.budget_bytes)
+                    if victims is None:
+                        return None
+        for victim in victims or ():
             self.evict(victim)
         entry = Entry(key, nbytes, transient=not admitted)
         self._entries[key] = entry
         self.used_bytes += nbytes
         if admitted:
+            self.admitted_bytes += nbytes
             self.admissions += 1
             self.policy.on_insert(key, nbytes)
         else:
@@ -133,6 +194,7 @@ class ResidencyTable:
         del self._entries[entry.key]
         self.used_bytes -= entry.nbytes
         if not entry.transient:
+            self.admitted_bytes -= entry.nbytes
             self.policy.on_remove(entry.key)
 
     def evict(self, entry: Entry) -> None:
@@ -149,10 +211,9 @@ class ResidencyTable:
         for entry in [e for e in self._entries.values() if e.evictable]:
             self.evict(entry)
 
-    def _victims_for(self, nbytes: int) -> list[Entry] | None:
-        """The entries to evict, in policy order, so that ``nbytes`` more fit; ``None`` when
-        the evictable entries cannot free enough (then nothing is evicted at all)."""
-        need = self.used_bytes + nbytes - self.budget_bytes
+    def _victims_for(self, need: int) -> list[Entry] | None:
+        """The entries to evict, in policy order, to free ``need`` bytes; ``None`` when the
+        evictable entries cannot free enough (then nothing is evicted at all)."""
         chosen: list[Entry] = []
         if need <= 0:
             return chosen
@@ -170,6 +231,11 @@ class ResidencyTable:
         total = sum(e.nbytes for e in self._entries.values())
         assert total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}"
         assert self.used_bytes <= self.budget_bytes, "byte budget exceeded"
+        admitted = sum(e.nbytes for e in self._entries.values() if not e.transient)
+        assert admitted == self.admitted_bytes, \
+            f"admitted_bytes {self.admitted_bytes} != sum of admitted entries {admitted}"
+        assert self.admitted_bytes <= self.main_bytes, "admitted entries exceed the main region"
+        assert self.main_bytes + self.transient_bytes == self.budget_bytes
         for e in self._entries.values():
             assert e.leases >= 0 and e.pins >= 0, f"negative count in {e!r}"
             assert e.state is EntryState.RESIDENT or e.leases == 0, f"lease on a loading entry {e!r}"

@@ -122,7 +122,7 @@ class BeladyPolicy:
         if key in self._resident:
             self._push(key, nxt)  # the old entry goes stale: its next use is no longer current
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         if self.bypass_budget is None or self._resident_bytes + nbytes <= self.bypass_budget:
             return True  # plain Belady, or it fits without evicting anything
         self._unpark()

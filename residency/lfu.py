@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from ._policy import Key
@@ -61,7 +61,7 @@ class LFUPolicy:
         self._unlink(key, f)
         self._link(key, max(1, count) if self.history else f + 1)
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return True
 
     def on_insert(self, key: Key, nbytes: int) -> None:

@@ -8,7 +8,7 @@ is why the project's default policy will differ; it stays as the reference.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, Sequence
 
 from ._policy import Key
 
@@ -23,7 +23,7 @@ class LRUPolicy:
         if hit and key in self._order:
             self._order.move_to_end(key)
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return True
 
     def on_insert(self, key: Key, nbytes: int) -> None:

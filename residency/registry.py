@@ -9,6 +9,7 @@ from iosched._errors import StoreError
 from ._policy import Policy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
+from .wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
@@ -16,6 +17,9 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "default": LRUPolicy,
     # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,
+    # W-TinyLFU: window + probation/protected, count-min admission (residency/wtinylfu.py).
+    # It rejects misses: give its table a transient slot (tools/replay.py does).
+    "wtinylfu": WTinyLFUPolicy,
 }
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Sequence, cast
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -64,14 +64,14 @@ class SelectiveLRU(LRUPolicy):
         super().__init__()
         self.reject: set[Key] = set(reject or ())
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return key not in self.reject
 
 
 class RejectAllLRU(LRUPolicy):
     """LRU whose ``admit`` always says no."""
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return False
 
 
@@ -474,7 +474,7 @@ class SwitchLRU(LRUPolicy):
         super().__init__()
         self.next_admit = True
 
-    def admit(self, key: Key, nbytes: int) -> bool:
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return self.next_admit
 
 
