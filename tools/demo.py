@@ -18,6 +18,7 @@ import asyncio
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,93 @@ class DemoResult:
             "hit_rate": s["hits"] / s["requests"] if s["requests"] else 0.0,
             "budget_cycles": self.budget_bytes / self.td_bytes,
             "decode_felt_wait_per_token_ms": 1e3 * s["decode_felt_wait_s"] / max(self.tokens, 1),
-            **s,
+            **{key: value for key, value in s.items() if key not in ("td_bytes", "budget_cycles")},
         }
+
+
+@dataclass
+class EngineRun:
+    """What :func:`drive_engine` measured over one pass of a trace through an open store."""
+
+    tokens: int
+    """Decode tokens replayed."""
+    prefill_batches: int
+    decode_seconds: float
+    """Wall time from the first decode token to the end of the pass."""
+    decode_felt_wait_s: float
+    """The store's felt wait accumulated from the first decode token on."""
+    decode_requests: int
+    decode_hits: int
+    """Decode requests that found their expert resident or loading (a store hit or a
+    single-flight join), counted per batch from the store's counters."""
+    requests: int
+    hits: int
+    """Every request, prefill included, and those of them that were hits (hit or join)."""
+    requested_bytes: int
+    hit_bytes: int
+
+
+def _hit_counters(store: ExpertStore) -> tuple[int, int]:
+    """``(requests, hits + single-flight joins)`` so far: the store's own counters, read
+    directly because ``stats()`` builds a whole snapshot and this runs once per batch."""
+    return store._requests, store._hits + store._joins
+
+
+async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
+                       max_tokens: int | None = None, on_token: Callable[[], None] | None = None,
+                       expert_bytes: dict[int, int] | None = None,
+                       decode_start: float | None = None,
+                       layer_map: dict[int, int] | None = None) -> EngineRun:
+    """Replay ``trace`` through ``store`` as an engine would: per batch (a prefill layer, or
+    one decode token's layer) lease the routed experts together with ``acquire_many``, hold
+    them ``compute_s`` seconds (emulated compute), release; ``token_boundary()`` before each
+    decode token.  Stops before decode token ``max_tokens``.  ``on_token`` is called once per
+    decode token (progress bars); ``expert_bytes`` (per trace layer) weighs the byte counts,
+    the trace's header sizes when omitted.  ``decode_start`` is the clock reading decode time
+    counts from when the trace has no decode token (default: now).  ``layer_map`` renames the
+    trace's layers to the checkpoint's (identity when omitted)."""
+    total = trace.n_decode_tokens() if max_tokens is None else min(max_tokens, trace.n_decode_tokens())
+    sizes = trace.expert_bytes if expert_bytes is None else expert_bytes
+    token, tokens, prefill_batches = -1, 0, 0
+    decode_felt_start = 0.0
+    if decode_start is None:
+        decode_start = time.perf_counter()
+    dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
+    for phase, tok, layer, experts in trace.batches():
+        decode = phase == PHASE_DECODE
+        if decode and tok != token:
+            if tokens == total:
+                break
+            if token < 0:
+                decode_start = time.perf_counter()
+                decode_felt_start = store.stats()["felt_wait_s"]
+            store.token_boundary()
+            token = tok
+            tokens += 1
+            if on_token is not None:
+                on_token()
+        elif not decode:
+            prefill_batches += 1
+        r0, h0 = _hit_counters(store)
+        ckpt_layer = layer if layer_map is None else layer_map[layer]
+        async with store.acquire_many([(ckpt_layer, e) for e in experts.tolist()]):
+            r1, h1 = _hit_counters(store)
+            await asyncio.sleep(compute_s)
+        n, h = r1 - r0, h1 - h0
+        all_req += n
+        all_hits += h
+        req_bytes += n * sizes[layer]
+        hit_bytes += h * sizes[layer]
+        if decode:
+            dec_req += n
+            dec_hits += h
+    decode_seconds = time.perf_counter() - decode_start
+    return EngineRun(
+        tokens=tokens, prefill_batches=prefill_batches, decode_seconds=decode_seconds,
+        decode_felt_wait_s=store.stats()["felt_wait_s"] - decode_felt_start,
+        decode_requests=dec_req, decode_hits=dec_hits, requests=all_req, hits=all_hits,
+        requested_bytes=req_bytes, hit_bytes=hit_bytes,
+    )
 
 
 async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
@@ -123,35 +209,19 @@ async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
         drop_from_page_cache(index.files)
     total = trace.n_decode_tokens() if config.max_tokens is None else min(config.max_tokens, trace.n_decode_tokens())
     task = progress.add_task("decoding", total=total) if progress is not None else None
-    compute_s = config.compute_ms / 1e3
-    token, tokens, prefill_batches = -1, 0, 0
-    decode_felt_start = 0.0
+    on_token = (lambda: progress.advance(task)) if task is not None else None
     decode_start = time.perf_counter()
     async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
-                                      policy=config.policy) as store:
-        for phase, tok, layer, experts in trace.batches():
-            if phase == PHASE_DECODE and tok != token:
-                if tokens == total:
-                    break
-                if token < 0:
-                    decode_start = time.perf_counter()
-                    decode_felt_start = store.stats()["felt_wait_s"]
-                store.token_boundary()
-                token = tok
-                tokens += 1
-                if task is not None:
-                    progress.advance(task)
-            elif phase != PHASE_DECODE:
-                prefill_batches += 1
-            async with store.acquire_many([(layer, e) for e in experts.tolist()]):
-                await asyncio.sleep(compute_s)
-        decode_seconds = time.perf_counter() - decode_start
+                                      policy=config.policy, experts_per_token=trace.k) as store:
+        run = await drive_engine(store, trace, config.compute_ms / 1e3, config.max_tokens,
+                                 on_token, decode_start=decode_start)
         stats = store.stats()
-        stats["decode_felt_wait_s"] = stats["felt_wait_s"] - decode_felt_start
+        stats["decode_felt_wait_s"] = run.decode_felt_wait_s
     return DemoResult(
         trace=(f"{config.trace} ({Path(trace.model).name}, {len(trace.layers)} layers x "
                f"{trace.n_expert} experts, k={trace.k})"),
-        checkpoint=str(folder), tokens=tokens, prefill_batches=prefill_batches,
-        decode_seconds=decode_seconds, tokens_per_s=tokens / decode_seconds if decode_seconds else 0.0,
+        checkpoint=str(folder), tokens=run.tokens, prefill_batches=run.prefill_batches,
+        decode_seconds=run.decode_seconds,
+        tokens_per_s=run.tokens / run.decode_seconds if run.decode_seconds else 0.0,
         budget_bytes=budget, td_bytes=td, stats=stats,
     )

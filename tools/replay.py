@@ -31,8 +31,11 @@ the layer's expert_bytes, cache size = the budget in bytes) through libCacheSim'
 implementations, rows named ``lcs:<algorithm>``; hits are taken from each ``get`` and the
 ratios computed by this driver, so both arms are measured the same way.
 
-Not implemented: the real-I/O replay (without ``--simulate``: an error says so), and the
-"call row layer expert:gate ..." text trace format mentioned in issue #5, whose exact
+Without ``--simulate`` the trace is replayed with real reads against a checkpoint built to its
+shape, and ``--train A`` seeds each policy with trace A before measuring it on TRACE, reported
+beside a cold arm: both in ``tools/engine_replay.py``.
+
+Not implemented: the "call row layer expert:gate ..." text trace format mentioned in issue #5, whose exact
 definition is nowhere in the project or the shared folder.
 """
 
@@ -182,6 +185,24 @@ def build_policy(name: str, reqs: Requests, budget: int) -> Policy:
     return make_policy(name)
 
 
+def transient_bytes_for(policy: Policy, reqs: Requests, budget: int) -> int:
+    """The transient slot a policy's table gets: none for a policy that admits every miss
+    (LRU, LFU, Belady: their numbers are those of a slot-less table), and for one that may
+    reject (``uses_admission``) one layer's batch of the largest experts, ``k x
+    max(expert bytes)``, with ``k`` the trace's experts per token and layer (the longest run
+    of one layer's requests in decode, where each token asks each layer for its k experts),
+    capped at half the budget so the main region keeps the other half."""
+    if not getattr(policy, "uses_admission", False) or not reqs.sizes:
+        return 0
+    k = run = 1
+    prev: int | None = None
+    for (layer, _), dec in zip(reqs.keys, reqs.decode):
+        run = run + 1 if dec and layer == prev else 1
+        prev = layer if dec else None
+        k = max(k, run)
+    return min(k * max(reqs.sizes), budget // 2)
+
+
 def _row(policy: str, cycles: float, budget: int, reqs: Requests, hit_flags: list[bool],
          seconds: float) -> dict[str, Any]:
     """The driver's statistics of one run, from one hit flag per request."""
@@ -218,7 +239,7 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
     """
     t0 = time.perf_counter()
     policy = build_policy(policy_name, reqs, budget)
-    table = ResidencyTable(budget, policy)
+    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, reqs, budget))
     flags: list[bool] = []
     oversize = 0
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
@@ -379,7 +400,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a route_trace v1 CSV (.gz read via gzip), or a bundled trace: qwen, gemma")
     p.add_argument("--simulate", action="store_true",
                    help="replay through the residency table in virtual time, without I/O "
-                        "(the only mode built so far)")
+                        "(default: real reads against a checkpoint built to the trace's shape)")
     p.add_argument("--cycles", default=DEFAULT_CYCLES,
                    help=f"budgets in token cycles, comma list (default {DEFAULT_CYCLES})")
     p.add_argument("--policy", default=DEFAULT_POLICIES,
@@ -388,14 +409,105 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
                         + " (rows lcs:NAME)")
+    p.add_argument("--train", metavar="A", default=None,
+                   help="with --simulate: seed each policy with trace A (a file or bundled name) "
+                        "before measuring it on TRACE; seeded and cold arms are reported apart")
+    p.add_argument("--eval", metavar="B", default=None,
+                   help="the trace measured with --train (default and must-match: TRACE)")
+    p.add_argument("--compute-ms", type=float, default=1.0,
+                   help="real I/O: emulated compute per layer in ms (default 1)")
+    p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="real I/O: stop after this many decode tokens")
+    p.add_argument("--warm", action="store_true",
+                   help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _progress(runs: int) -> Any:
+    """A rich Progress on stderr (disabled off a terminal) and its ``on_run(label)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    err = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+    task = progress.add_task("replay", total=runs)
+    started = [False]
+
+    def on_run(label: str) -> None:
+        if started[0]:
+            progress.advance(task)
+        started[0] = True
+        progress.update(task, description=label)
+
+    def finish() -> None:
+        progress.update(task, completed=runs)
+
+    return progress, on_run, finish
+
+
+def _print_table(table: Any) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 140))
+    console.print(table)
+
+
+def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from . import engine_replay
+
+    if not args.simulate:
+        raise StoreError("--train needs --simulate (the seeded real-I/O replay is not built)")
+    if args.compare_libcachesim:
+        raise StoreError("--train does not combine with --compare-libcachesim")
+    if args.eval is not None and args.eval != args.trace:
+        raise StoreError(f"--eval {args.eval} and TRACE {args.trace} name different traces; "
+                         "the measured trace is TRACE (--eval may repeat it)")
+    cycles = parse_cycles(args.cycles)
+    policies = parse_policies(args.policy)
+    train, ev = load_trace(args.train), load_trace(args.trace)
+    progress, on_run, finish = _progress(2 * len(policies) * len(cycles))
+    with progress:
+        out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run)
+        finish()
+    if not args.json:
+        _print_table(engine_replay.train_eval_table(out))
+    return out
+
+
+def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
+    from . import _runner, engine_replay
+
+    if args.compare_libcachesim:
+        raise StoreError("--compare-libcachesim needs --simulate")
+    cycles = parse_cycles(args.cycles)
+    policies = parse_policies(args.policy)
+    engine_replay.reject_offline(policies, "with real I/O")
+    if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
+        raise StoreError("--compute-ms must not be negative and --tokens must be positive")
+    trace = load_trace(args.trace)
+    progress, on_run, finish = _progress(len(policies) * len(cycles))
+    with progress:
+        out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
+            trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
+            backend=args.backend, max_tokens=args.tokens, cold=not args.warm, on_run=on_run))
+        finish()
+    if not args.json:
+        _print_table(engine_replay.real_table(out))
+    return out
 
 
 def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     """The ``replay`` subcommand; returns the JSON object."""
+    if getattr(args, "train", None) is not None:
+        return _cmd_train_eval(args)
+    if getattr(args, "eval", None) is not None:
+        raise StoreError("--eval needs --train (the trace the policies learn from)")
     if not args.simulate:
-        raise StoreError("replay with real I/O is not built yet; pass --simulate to replay "
-                         "through the residency table in virtual time")
+        return _cmd_real(args)
     cycles = parse_cycles(args.cycles)
     policies = parse_policies(args.policy)
     if args.compare_libcachesim:

@@ -1,0 +1,105 @@
+"""``iosched replay`` with real I/O, and ``--train A --eval B`` (``tools/engine_replay.py``).
+
+What is checked, and why:
+
+* the real replay of a bundled trace for a few decode tokens keeps the simulation's contract
+  keys and adds the felt-wait columns, with sane values (reads happened, hits are ratios);
+* Belady, which reads the future, is refused in real mode and in train mode, naming itself;
+* train/eval reports a seeded and a cold arm per (policy, budget), never merged, measured on
+  the evaluation trace only; traces of different shapes are refused, naming both;
+* seeding does something where the policy keeps state across evictions (LFU's kept counts)
+  and nothing where it keeps none (LRU): the arms are the same policy objects, seeded or not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iosched import _settings
+from tools import replay
+
+CONTRACT_ROW = {"policy": str, "cycles": float, "budget_bytes": int, "requests": int,
+                "decode_hit": float, "byte_hit": float}
+REAL_EXTRA = ("felt_wait_s", "felt_wait_per_token_ms", "service_s", "bytes_read", "tokens_per_s")
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> dict[str, Any]:
+    assert replay.main(argv) == status
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_real_replay_gemma_three_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(tmp_path)):
+        out = run_json(capsys, ["gemma", "--cycles", "1", "--policy", "lru", "--tokens", "3",
+                                "--compute-ms", "0", "--json"])
+    assert out["mode"] == "real" and out["trace"] == "gemma" and out["tokens"] == 3
+    assert Path(out["checkpoint"]).parent == tmp_path
+    [row] = out["results"]
+    for key, kind in CONTRACT_ROW.items():
+        assert isinstance(row[key], kind), (key, row)
+    for key in REAL_EXTRA:
+        assert isinstance(row[key], (int, float)), (key, row)
+    assert row["policy"] == "lru" and row["cycles"] == 1.0
+    assert row["budget_bytes"] == int(1.0 * out["td_bytes"])
+    assert 0.0 <= row["decode_hit"] <= 1.0 and 0.0 <= row["byte_hit"] <= 1.0
+    assert row["bytes_read"] > 0 and row["felt_wait_s"] >= 0 and row["felt_wait_per_token_ms"] >= 0
+    assert row["tokens"] == 3 and row["decode_requests"] > 0
+    # every request is classified once, by the store and by the replay alike
+    assert row["requests"] == row["store_hits"] + row["store_misses"] + row["single_flight_joins"]
+    assert row["hits"] == row["store_hits"] + row["single_flight_joins"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["gemma", "--cycles", "1", "--policy", "lru,belady", "--tokens", "1", "--json"],
+    ["qwen", "--simulate", "--train", "qwen", "--policy", "belady", "--cycles", "1", "--json"],
+])
+def test_belady_rejected(argv: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with _settings.override(cache_dir=str(tmp_path)):
+        out = run_json(capsys, argv, status=2)
+    assert "belady" in out["error"]
+    assert not list(tmp_path.iterdir())  # refused before any checkpoint was built
+
+
+def test_train_eval_shape_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--train", "qwen", "--eval", "gemma",
+                            "--policy", "lfu", "--cycles", "1", "--json"], status=2)
+    assert "qwen" in out["error"] and "gemma" in out["error"] and "shape" in out["error"]
+
+
+def test_train_eval_arms(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["qwen", "--simulate", "--train", "qwen", "--eval", "qwen",
+                            "--policy", "lru,lfu", "--cycles", "1,4", "--json"])
+    assert out["mode"] == "train_eval" and out["train"] == "qwen" and out["eval"] == "qwen"
+    rows = out["results"]
+    assert len(rows) == 2 * 2 * 2
+    arms: dict[tuple[str, float, str], dict[str, Any]] = {}
+    for row in rows:
+        for key, kind in CONTRACT_ROW.items():
+            assert isinstance(row[key], kind), (key, row)
+        assert row["requests"] == out["requests"]  # only the evaluation trace is counted
+        arm = (row["policy"], row["cycles"], row["arm"])
+        assert arm not in arms
+        arms[arm] = row
+    assert {a for _, _, a in arms} == {"seeded", "cold"}
+    for policy in ("lru", "lfu"):
+        for c in (1.0, 4.0):
+            seeded, cold = arms[(policy, c, "seeded")], arms[(policy, c, "cold")]
+            assert seeded["train_requests"] == out["train_requests"] and "train_requests" not in cold
+            if policy == "lru":  # no state outside the resident set: seeding cannot change it
+                assert seeded["hits"] == cold["hits"]
+    # LFU keeps its counts across evictions: having seen the trace once changes its choices
+    assert any(arms[("lfu", c, "seeded")]["hits"] != arms[("lfu", c, "cold")]["hits"]
+               for c in (1.0, 4.0))
+
+
+def test_eval_without_train_and_mismatched_eval(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["qwen", "--simulate", "--eval", "qwen", "--json"], status=2)
+    assert "--train" in out["error"]
+    out = run_json(capsys, ["qwen", "--simulate", "--train", "qwen", "--eval", "gemma",
+                            "--json"], status=2)
+    assert "gemma" in out["error"] and "qwen" in out["error"]

@@ -1,0 +1,305 @@
+"""``iosched replay`` beyond the simulation: real-I/O replay, and ``--train A --eval B``.
+
+Real-I/O replay (``iosched replay TRACE`` without ``--simulate``)
+    Builds once, in the cache folder, the demo's safetensors checkpoint for the trace's shape
+    (its MoE layers and experts, each expert scaled down as ``iosched demo`` does:
+    :func:`tools.demo.demo_checkpoint`), then for every budget and every policy, policies
+    interleaved per budget so that drift of the disk or the page cache hits every arm alike:
+    drops the checkpoint from the page cache, opens ``ExpertStore(folder, budget_bytes=int(cycles
+    x TD), policy=name, backend=...)`` with TD = k x the checkpoint's expert bytes summed over
+    layers, and replays the trace as the demo's engine does (:func:`tools.demo.drive_engine`:
+    ``acquire_many`` per batch, an emulated compute sleep per layer, ``token_boundary`` per
+    decode token).  A request is a hit when its expert was resident *or already loading* when
+    it was asked for (a store hit or a single-flight join), the simulation's semantics; the
+    replay counts them per batch, since the store's ``hits`` leaves joins out.  Belady needs the
+    future, which the store cannot have: rejected here.
+
+Train/eval (``--simulate --train A``, the evaluation trace being TRACE, or ``--eval B``)
+    The *seeded* arm replays A through a policy at the evaluation budget exactly as the
+    simulation does, then evicts every entry through the table (so the policy is told of each
+    removal and the invariants hold) and replays B through a fresh ``ResidencyTable`` around
+    the *same* policy object: what the policy learned (LFU's kept frequencies) survives, the
+    resident set does not.  The *cold* arm is the plain simulation of B.  Rows carry
+    ``"arm": "seeded"`` or ``"cold"`` and only B's requests are counted, so a pre-warmed policy
+    is never compared with a cold baseline unawares.  A and B must have the same shape (MoE
+    layers and experts per layer).  Belady has nothing to learn: rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from iosched import ExpertStore, StoreError
+from iosched._checkpoint import load_index
+from iosched._errors import BudgetError
+from residency import ResidencyTable
+from residency._policy import Policy
+from residency.belady import BeladyPolicy
+
+from . import demo
+from .replay import OFFLINE, Requests, _row, budget_for, build_policy, simulate
+from .trace import RouteTrace
+
+DEFAULT_COMPUTE_MS = 1.0
+
+# ---------------------------------------------------------------------------------------------
+# real I/O
+
+
+def reject_offline(policies: Sequence[str], mode: str) -> None:
+    """A StoreError naming the first offline (future-reading) policy in ``policies``."""
+    for name in policies:
+        if name in OFFLINE:
+            raise StoreError(f"--policy {name} is an offline reference (it reads the future of "
+                             f"the trace) and cannot run {mode}; use it with --simulate only")
+
+
+async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace, policy: str,
+                        cycles: float, budget: int, compute_s: float, backend: str,
+                        max_tokens: int | None, expert_bytes: dict[int, int],
+                        layer_map: dict[int, int], cold: bool) -> dict[str, Any]:
+    if cold:
+        await asyncio.to_thread(demo.drop_from_page_cache, files)
+    async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend,
+                                      policy=policy, experts_per_token=trace.k) as store:
+        t0 = time.perf_counter()
+        run = await demo.drive_engine(store, trace, compute_s, max_tokens,
+                                      expert_bytes=expert_bytes, layer_map=layer_map)
+        wall = time.perf_counter() - t0
+        s = store.stats()
+    return {
+        "policy": policy,
+        "cycles": float(cycles),
+        "budget_bytes": budget,
+        "requests": run.requests,
+        "decode_hit": run.decode_hits / run.decode_requests if run.decode_requests else 0.0,
+        "byte_hit": run.hit_bytes / run.requested_bytes if run.requested_bytes else 0.0,
+        "felt_wait_s": s["felt_wait_s"],
+        "felt_wait_per_token_ms": 1e3 * run.decode_felt_wait_s / max(run.tokens, 1),
+        "service_s": s["service_s"],
+        "bytes_read": s["bytes_read"],
+        "tokens_per_s": run.tokens / run.decode_seconds if run.decode_seconds else 0.0,
+        "tokens": run.tokens,
+        "decode_seconds": run.decode_seconds,
+        "decode_felt_wait_s": run.decode_felt_wait_s,
+        "decode_requests": run.decode_requests,
+        "decode_hits": run.decode_hits,
+        "hits": run.hits,
+        "requested_bytes": run.requested_bytes,
+        "hit_bytes": run.hit_bytes,
+        "store_hits": s["hits"],
+        "store_misses": s["misses"],
+        "single_flight_joins": s["single_flight_joins"],
+        "admissions": s["admissions"],
+        "rejections": s["rejections"],
+        "evictions": s["evictions"],
+        "backend": s["backend"],
+        "loop": s["loop"],
+        "seconds": wall,
+    }
+
+
+async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
+                      policies: Sequence[str], *, compute_ms: float = DEFAULT_COMPUTE_MS,
+                      backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
+                      folder: Path | None = None,
+                      on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every policy at every budget against the trace's checkpoint, with real reads.
+
+    ``folder``: where the checkpoint is built or found (default: the cache folder, as for
+    ``iosched demo``).  ``cold``: drop it from the page cache before each run.
+    """
+    reject_offline(policies, "with real I/O")
+    if compute_ms < 0 or (max_tokens is not None and max_tokens <= 0):
+        raise StoreError("--compute-ms must not be negative and --tokens must be positive")
+    ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder)
+    index = await asyncio.to_thread(load_index, ckpt)
+    by_layer = index.expert_bytes_by_layer()
+    ck_layers = sorted(by_layer)
+    if len(ck_layers) != len(trace.layers):
+        raise StoreError(f"checkpoint {ckpt} has {len(ck_layers)} MoE layers, the trace "
+                         f"{label} {len(trace.layers)}; delete the folder to rebuild it")
+    layer_map = dict(zip(trace.layers, ck_layers))
+    expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
+    td = trace.k * sum(by_layer.values())
+    results: list[dict[str, Any]] = []
+    for c in cycles:
+        budget = max(1, int(c * td))
+        for name in policies:
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles")
+            results.append(await _one_real_run(
+                ckpt, index.files, trace, name, c, budget, compute_ms / 1e3, backend,
+                max_tokens, expert_bytes, layer_map, cold))
+    return {
+        "trace": label,
+        "mode": "real",
+        "k": trace.k,
+        "td_bytes": td,
+        "trace_td_bytes": trace.td_bytes,
+        "results": results,
+        "checkpoint": str(ckpt),
+        "source": trace.source,
+        "model": trace.model,
+        "arch": trace.arch,
+        "compute_ms": compute_ms,
+        "backend": backend,
+        "cold": cold,
+        "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# train / eval (simulation)
+
+
+def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str) -> None:
+    if train.layers != ev.layers or train.n_expert != ev.n_expert:
+        raise StoreError(
+            f"--train {train_label} ({len(train.layers)} MoE layers x {train.n_expert} experts) "
+            f"and --eval {eval_label} ({len(ev.layers)} MoE layers x {ev.n_expert} experts) "
+            "have different shapes; a policy learns keys (layer, expert) of one model")
+
+
+def _drive(table: ResidencyTable, reqs: Requests) -> tuple[list[bool], int]:
+    """``reqs`` through ``table`` as ``replay.simulate`` drives it; hit flags and oversize."""
+    flags: list[bool] = []
+    oversize = 0
+    on_request = table.policy.on_request
+    for key, nbytes in zip(reqs.keys, reqs.sizes):
+        hit = table.get(key) is not None
+        flags.append(hit)
+        on_request(key, nbytes, hit)
+        if hit:
+            continue
+        try:
+            entry = table.reserve(key, nbytes)
+        except BudgetError:
+            oversize += 1
+            continue
+        if entry is None:
+            raise AssertionError(f"reserve of {key!r} found no room in a simulation")
+        table.publish(entry)
+        if entry.transient:
+            table.remove(entry)
+    table.check()
+    return flags, oversize
+
+
+def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
+                    budget: int) -> dict[str, Any]:
+    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
+    if policy_name in OFFLINE:
+        raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
+                         "learn; --train does not apply to it")
+    t0 = time.perf_counter()
+    policy: Policy = build_policy(policy_name, ev, budget)
+    assert not isinstance(policy, BeladyPolicy)
+    warm = ResidencyTable(budget, policy)
+    _drive(warm, train)
+    warm.evict_all()  # through the table: the policy hears of every removal
+    warm.check()
+    if len(warm):
+        raise AssertionError("entries left after evict_all in a simulation")
+    table = ResidencyTable(budget, policy)
+    flags, oversize = _drive(table, ev)
+    row = _row(policy_name, cycles, budget, ev, flags, time.perf_counter() - t0)
+    row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
+               rejections=table.rejections, evictions=table.evictions, oversize=oversize,
+               resident_bytes=table.used_bytes, resident_experts=len(table))
+    return row
+
+
+def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
+               cycles: Sequence[float], policies: Sequence[str],
+               on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD)."""
+    for name in policies:
+        if name in OFFLINE:
+            raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
+                             "--train does not apply to it")
+    check_same_shape(train, train_label, ev, eval_label)
+    treqs, ereqs = Requests.of(train), Requests.of(ev)
+    results: list[dict[str, Any]] = []
+    for name in policies:
+        for c in cycles:
+            budget = budget_for(ev, c)
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, seeded")
+            results.append(simulate_seeded(treqs, ereqs, name, c, budget))
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, cold")
+            row = simulate(ereqs, name, c, budget)
+            row["arm"] = "cold"
+            results.append(row)
+    return {
+        "trace": eval_label,
+        "mode": "train_eval",
+        "train": train_label,
+        "eval": eval_label,
+        "k": ev.k,
+        "td_bytes": ev.td_bytes,
+        "results": results,
+        "source": ev.source,
+        "model": ev.model,
+        "arch": ev.arch,
+        "requests": len(ereqs),
+        "decode_requests": sum(ereqs.decode),
+        "train_requests": len(treqs),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def real_table(out: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"iosched replay {out['trace']} (real I/O, {out['backend']} backend, "
+                        f"{out['compute_ms']:g} ms compute per layer)")
+    for col in ("policy", "TD", "decode hit %", "byte hit %", "felt ms/token", "service s",
+                "MB read", "tokens/s"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for r in out["results"]:
+        table.add_row(r["policy"], f"{r['cycles']:g}", f"{100 * r['decode_hit']:.1f}",
+                      f"{100 * r['byte_hit']:.1f}", f"{r['felt_wait_per_token_ms']:.2f}",
+                      f"{r['service_s']:.2f}", f"{r['bytes_read'] / 1e6:.1f}",
+                      f"{r['tokens_per_s']:.1f}")
+    note = (f"{out['model'] or out['source']}: k={out['k']}, checkpoint TD="
+            f"{out['td_bytes'] / 2**20:.2f} MiB, {out['tokens']} decode tokens, "
+            f"{'cold' if out['cold'] else 'warm'} page cache; {out['checkpoint']}")
+    return Group(table, Text(note, style="dim"))
+
+
+def train_eval_table(out: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cycles: list[float] = []
+    rows: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
+    for r in out["results"]:
+        if r["cycles"] not in cycles:
+            cycles.append(r["cycles"])
+        rows.setdefault((r["policy"], r["arm"]), {})[r["cycles"]] = r
+    table = Table(title=f"iosched replay: trained on {out['train']}, measured on {out['eval']}: "
+                        "decode hit % / byte hit % per budget (token cycles)")
+    table.add_column("policy", no_wrap=True)
+    table.add_column("arm", no_wrap=True)
+    for c in cycles:
+        table.add_column(f"{c:g} TD", justify="right")
+    for (name, arm), by_c in rows.items():
+        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
+                 if c in by_c else "-" for c in cycles]
+        table.add_row(name, arm, *cells)
+    note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
+            f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
+            f"{out['requests']} requests are counted.")
+    return Group(table, Text(note, style="dim"))
