@@ -20,11 +20,9 @@ limited to ``budget_bytes - transient_bytes`` (the main region), so at least
 ``transient_bytes - transient_used`` bytes are always free for misses the policy rejects: a
 rejected miss is reserved *without evicting anything* when ``used_bytes + nbytes <=
 budget_bytes`` (first the slot's own bytes, then, when the slot is full, whatever the main
-region leaves free), and otherwise ``reserve`` answers ``None`` while some transient holds
-bytes (the store waits for its lease to end; the replay removes transients at once and never
-gets there).  The one exception: with no transient at all, a rejected miss larger than the
-free bytes (only a miss larger than the slot can be) evicts as a slot-less table would, since
-waiting could not make room.
+region leaves free), and otherwise it evicts as a slot-less table would.  It never waits for
+another transient to end: an engine leasing a whole layer at once holds its own transients
+until all its misses are served, so waiting would deadlock it.
 Admitted entries never use the slot's free bytes, even when it is empty: simplest, and the
 main region then behaves exactly like a table of ``budget_bytes - transient_bytes``.  A miss
 larger than the main region but within the budget cannot be admitted at all; it is served
@@ -162,11 +160,11 @@ class ResidencyTable:
             if not admitted:
                 if self.used_bytes + nbytes <= self.budget_bytes:
                     victims = []  # the slot, or free main bytes: nothing is evicted
-                elif self.used_bytes > self.admitted_bytes:
-                    return None  # the slot is busy: wait for a transient to end
                 else:
-                    # No transient to wait for, and a miss larger than the free bytes: evict
-                    # as a slot-less table would (else nothing could ever make room).
+                    # The slot is full: evict as a slot-less table would.  Waiting for a
+                    # transient to end instead deadlocks an engine that leases a whole layer
+                    # at once (acquire_many): its own transients hold the slot until every
+                    # one of its misses is served (seen with 128-expert prefill batches).
                     victims = self._victims_for(self.used_bytes + nbytes - self.budget_bytes)
                     if victims is None:
                         return None

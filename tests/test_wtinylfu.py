@@ -323,3 +323,35 @@ async def test_store_runs_wtinylfu_with_a_transient_slot(st_checkpoint: Path) ->
         assert s["resident_bytes"] <= s["budget_bytes"] and s["leased"] == 0
         assert s["rejections"] > 0
         store.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_a_layer_of_rejected_misses_does_not_deadlock(st_checkpoint: Path) -> None:
+    """acquire_many holds its own transients until every miss is served: a rejected miss that
+    finds the slot full must evict (as a slot-less table would), never wait for them."""
+    import asyncio
+
+    from iosched import ExpertStore
+
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20) as probe:
+        one = next(iter(probe.index.experts.values())).nbytes
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=8 * one, policy="wtinylfu") as store:
+        keys = sorted(store.index.experts)
+        hot, cold = keys[:6], keys[6:12]  # a layer of 6, within the 8-expert budget
+        for _ in range(5):  # make the resident set frequent, so cold misses are rejected
+            async with store.acquire_many(hot):
+                pass
+        async with asyncio.timeout(10) if hasattr(asyncio, "timeout") else _nullcontext():
+            async with store.acquire_many(cold) as views:
+                assert len(views) == len(cold)
+        s = store.stats()
+        assert s["rejections"] > 1 and s["leased"] == 0
+        store.check_invariants()
+
+
+class _nullcontext:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
