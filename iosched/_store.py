@@ -515,28 +515,35 @@ class ExpertStore:
         self._tickets[layout.key] = Ticket(priority)
         loop = asyncio.get_running_loop()
         entry.future = loop.create_future()
-        task = loop.create_task(self._load(entry, layout))
+        plan: ReadPlan | None = None
+        slab: Slab | None = None
+        if self._zero_copy is None or len(layout.extents) != 1:
+            # The slab is taken in the same step as the reservation, so the idle pool never
+            # holds more than the budget's headroom, not even until the load task starts: the
+            # slab an eviction just returned is usually the one taken here.
+            plan = plan_reads(layout, self._io.alignment)
+            slab = self._pool.take(plan.capacity)
+            self._pool.trim(self._headroom())
+        task = loop.create_task(self._load(entry, layout, plan, slab))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
     def _headroom(self) -> int:
         return max(0, self._table.budget_bytes - self._table.used_bytes)
 
-    async def _load(self, entry: Entry, layout: ExpertLayout) -> None:
+    async def _load(self, entry: Entry, layout: ExpertLayout, plan: ReadPlan | None,
+                    slab: Slab | None) -> None:
+        """Read (into ``slab`` by ``plan``) or map the expert, then publish it."""
         t0 = time.perf_counter()
         ticket = self._tickets[layout.key]
-        slab: Slab | None = None
         mapped: tuple[int, int, int] | None = None
         try:
-            if self._zero_copy is not None and len(layout.extents) == 1:
+            if plan is None or slab is None:
                 ext = layout.extents[0]
                 view_bytes, backend_file = await self._io.map(layout.key, ext.file, ext.offset, ext.length, ticket)
                 mapped = (backend_file, ext.offset, ext.length)
                 view = ExpertView.over(layout, view_bytes)
             else:
-                plan = plan_reads(layout, self._io.alignment)
-                slab = self._pool.take(plan.capacity)
-                self._pool.trim(self._headroom())
                 await self._read_plan(layout, plan, slab, ticket)
                 data = memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes]
                 view = ExpertView.over(layout, data)

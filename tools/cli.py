@@ -39,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     from . import bench, replay, replica_bench, topology
+    from . import soak
 
     bench.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
+    soak.add_parser(sub)
     topology.add_parser(sub)
 
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
