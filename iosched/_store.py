@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, fields
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import backends
 
@@ -47,6 +47,7 @@ from ._scheduler import DEMAND, PREFETCH, Ticket
 from ._topology import Discovery, is_topology_file, load_topology
 from ._slab import Slab, SlabPool
 from ._stats import StoreStats
+from ._telemetry import TokenTelemetry
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
@@ -90,6 +91,8 @@ class ExpertStore:
         backend_reason: str | None,
         policy_name: str,
         token_budget_bytes: int | None = None,
+        *,
+        telemetry: TokenTelemetry | None = None,
     ) -> None:
         self._index = index
         self._layouts = index.experts
@@ -121,6 +124,9 @@ class ExpertStore:
         # six experts awaited together for 2 ms cost the engine 2 ms, not 12.
         self._waiting = 0
         self._wait_since = 0.0
+        self._telemetry = telemetry
+        self._closers: list[Callable[[], None]] = []
+        """Called by ``close()`` (``iosched._telemetry.start_exporter`` stops its server so)."""
 
     # ------------------------------------------------------------------ opening and closing
 
@@ -138,6 +144,7 @@ class ExpertStore:
         queue_depth: int | None = None,
         token_budget_bytes: int | None = None,
         experts_per_token: int | None = None,
+        telemetry: str | os.PathLike[str] | None = None,
     ) -> "ExpertStore":
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
@@ -157,6 +164,9 @@ class ExpertStore:
         ``MemAvailable``. ``experts_per_token`` (k) overrides the checkpoint's own value
         (``config.json`` / GGUF ``expert_used_count``); ``"auto"`` needs one or the other. An
         integer budget below one cycle logs a warning: LRU hits nothing below one cycle.
+
+        ``telemetry`` names a file to write one JSON line per token to (the counters' deltas
+        at each ``token_boundary()`` and at ``close()``; see ``docs/telemetry.md``).
 
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
@@ -248,7 +258,8 @@ class ExpertStore:
         io = ReadPath(be, replicas, roots, {os.path.abspath(k): v for k, v in (weights or {}).items()},
                       routing, depths if depths is not None and queue_depth is None else depth,
                       stripe_threshold)
-        return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes)
+        sink = None if telemetry is None else await asyncio.to_thread(TokenTelemetry, telemetry)
+        return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes, telemetry=sink)
 
     async def close(self) -> None:
         """Wait for loads in flight, free every buffer, close the files.  Idempotent."""
@@ -258,6 +269,11 @@ class ExpertStore:
         self._wake_room()
         while self._loads:
             await asyncio.gather(*list(self._loads), return_exceptions=True)
+        if self._telemetry is not None:
+            self._telemetry.record(self, "close")
+            self._telemetry.close()
+        for closer in self._closers:
+            closer()
         self._table.evict_all()
         self._pool.close()
         self._backend.close()
@@ -333,9 +349,12 @@ class ExpertStore:
         return queued
 
     def token_boundary(self) -> None:
-        """Marks the start of the next token: the per-token prefetch byte budget starts over."""
+        """Marks the start of the next token: the per-token prefetch byte budget starts over,
+        and the telemetry file (if any) gets the line of the interval that ends here."""
         self._tokens += 1
         self._speculative_bytes = 0
+        if self._telemetry is not None:
+            self._telemetry.record(self)
 
     def statistics(self) -> StoreStats:
         entries = self._table.entries()
@@ -502,7 +521,9 @@ class ExpertStore:
         try:
             await fut
         finally:
-            if not fut.done():
+            # A cancelled waiter's future is done (cancelled) but still listed: drop it now
+            # rather than at the next wake-up.
+            if fut in self._room_waiters:
                 self._room_waiters.remove(fut)
 
     def _wake_room(self) -> None:

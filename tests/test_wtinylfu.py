@@ -73,7 +73,7 @@ def test_sketch_counts_saturate_and_never_undercount() -> None:
         sketch.increment(k)
     for key, n in truth.items():
         assert min(n, MAX_COUNT) <= sketch.estimate(key) <= MAX_COUNT
-    assert sketch.estimate(("never", "seen")) <= 1  # collisions only, rare at this width
+    assert sketch.estimate((999, 99_999)) <= 1  # an int key: hashed the same in every process
     assert int(sketch.table.max()) == MAX_COUNT
 
 

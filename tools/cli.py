@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokens", type=int, default=None, help="stop after this many decode tokens")
     demo.add_argument("--warm", action="store_true",
                       help="keep the checkpoint in the page cache (default: drop it first, a cold start)")
+    demo.add_argument("--telemetry", metavar="FILE", default=None,
+                      help="write one JSON line per token to FILE (docs/telemetry.md)")
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
@@ -81,6 +83,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     config = DemoConfig(
         trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
         backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
+        telemetry=args.telemetry,
     )
     if args.budget_cycles <= 0 or args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--budget-cycles and --tokens must be positive, --compute-ms not negative")

@@ -47,6 +47,8 @@ class DemoConfig:
     policy: str = "default"
     cold: bool = True
     max_tokens: int | None = None
+    telemetry: str | None = None
+    """A file for the store's per-token JSON lines (``docs/telemetry.md``)."""
 
 
 def cache_dir() -> Path:
@@ -212,7 +214,8 @@ async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
     on_token = (lambda: progress.advance(task)) if task is not None else None
     decode_start = time.perf_counter()
     async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
-                                      policy=config.policy, experts_per_token=trace.k) as store:
+                                      policy=config.policy, experts_per_token=trace.k,
+                                      telemetry=config.telemetry) as store:
         run = await drive_engine(store, trace, config.compute_ms / 1e3, config.max_tokens,
                                  on_token, decode_start=decode_start)
         stats = store.stats()
