@@ -108,6 +108,18 @@ def mem_available(path: str = _MEMINFO) -> int:
     raise BudgetError(f'budget="auto": no MemAvailable line in {path}; pass an integer budget_bytes')
 
 
+def mem_total(path: str = _MEMINFO) -> int | None:
+    """``MemTotal`` from ``/proc/meminfo`` in bytes, or ``None`` where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def cycle_stats(index: CheckpointIndex, budget_bytes: int) -> dict[str, int | float | None]:
     """The statistics keys of self-sizing: ``experts_per_token`` (k, ``None`` when unknown),
     ``td_bytes`` (one token cycle, ``None`` when k is unknown) and ``budget_cycles`` (the

@@ -175,6 +175,12 @@ class ExpertStore:
         if not auto and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                          or budget_bytes <= 0):
             raise BudgetError(f'budget_bytes must be a positive integer or "auto", got {budget_bytes!r}')
+        total = _sizing.mem_total()
+        if isinstance(budget_bytes, int) and total is not None and budget_bytes > total:
+            # An absurd budget: the store could never hold it, and a typo (GiB for MiB) should
+            # not surface hours later as the OOM killer.
+            raise BudgetError(f"budget_bytes={budget_bytes} is more than this machine's memory "
+                              f"(MemTotal {total} bytes)")
         if experts_per_token is not None and (
                 isinstance(experts_per_token, bool) or not isinstance(experts_per_token, int)
                 or experts_per_token <= 0):

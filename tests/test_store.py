@@ -160,6 +160,11 @@ async def test_bad_budget(st_checkpoint: Path, budget: object) -> None:
         await ExpertStore.open(st_checkpoint, budget_bytes=budget)  # type: ignore[arg-type]
 
 
+async def test_absurd_budget_names_the_memory(st_checkpoint: Path) -> None:
+    with pytest.raises(BudgetError, match=r"budget_bytes=\d+ is more than this machine's memory"):
+        await ExpertStore.open(st_checkpoint, budget_bytes=1 << 60)
+
+
 async def test_bad_backend_and_policy(st_checkpoint: Path) -> None:
     with pytest.raises(BackendUnavailable, match="nvme9"):
         await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend="nvme9")
