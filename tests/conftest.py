@@ -68,3 +68,14 @@ def st_copy(st_checkpoint: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "ckpt"
     shutil.copytree(st_checkpoint, dest)
     return dest
+
+
+@pytest.fixture
+def mirrored(st_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Two byte-identical copies of the safetensors checkpoint: a primary and its mirror."""
+    import shutil
+
+    primary, mirror = tmp_path / "primary", tmp_path / "mirror"
+    shutil.copytree(st_checkpoint, primary)
+    shutil.copytree(st_checkpoint, mirror)
+    return primary, mirror

@@ -4,7 +4,6 @@ mirror in a temporary folder: every fault kind keeps the bytes right and is fail
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,6 @@ from iosched import ExpertStore, ReadError
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def mirrored(st_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
-    primary, mirror = tmp_path / "primary", tmp_path / "mirror"
-    shutil.copytree(st_checkpoint, primary)
-    shutil.copytree(st_checkpoint, mirror)
-    return primary, mirror
 
 
 def faulty(backend: str, plan: FaultPlan) -> FaultyBackend:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,6 @@ from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def mirrored(st_checkpoint: Path, tmp_path: Path) -> tuple[Path, Path]:
-    primary, mirror = tmp_path / "primary", tmp_path / "mirror"
-    shutil.copytree(st_checkpoint, primary)
-    shutil.copytree(st_checkpoint, mirror)
-    return primary, mirror
 
 
 async def read_all(store: ExpertStore) -> None:

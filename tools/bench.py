@@ -55,6 +55,7 @@ from iosched import StoreError, _settings
 from iosched._errors import BackendUnavailable, ReadError
 
 from . import _runner
+from ._progress import run_progress
 from .fio import FioError, FioJob, fio_version, require_fio, run_fio
 
 NAIVE = "naive"
@@ -811,28 +812,13 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_sweep(args: argparse.Namespace, file: str, size: int, arms: list[str],
                bs_list: list[int], qd_list: list[int], seconds: float,
                direct: bool | None) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     runs = len(arms) * len(bs_list) * len(qd_list) * args.reps * (2 if args.fio else 1)
-    err = Console(stderr=True)
-    err.print(f"[dim]iosched bench --sweep: up to {runs} runs of {seconds:g} s "
-              f"(about {runs * seconds / 60:.1f} min plus set-up) on {file}[/dim]")
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as progress:
-        task = progress.add_task("sweep", total=runs)
-        started = [False]
-
-        def on_run(label: str) -> None:
-            if started[0]:
-                progress.advance(task)
-            started[0] = True
-            progress.update(task, description=label)
-
+    note = (f"iosched bench --sweep: up to {runs} runs of {seconds:g} s "
+            f"(about {runs * seconds / 60:.1f} min plus set-up) on {file}")
+    with run_progress("sweep", runs, note) as on_run:
         out = sweep(file, size, arms, bs_list, qd_list, seconds=seconds, reps=args.reps,
                     direct=direct, drop_cache=args.drop_cache, with_fio=args.fio,
                     seed=args.seed, on_run=on_run)
-        progress.update(task, completed=runs)
     out["machine"] = machine_info(file)
     if args.plot is not None:
         plot_sweep(out, args.plot)

@@ -60,6 +60,7 @@ from residency._policy import Key, Policy
 from residency.belady import NEVER, BeladyPolicy, next_uses
 from residency.lfu import LFUPolicy
 
+from ._progress import run_progress
 from .trace import (
     PHASE_DECODE,
     RouteTrace,
@@ -424,29 +425,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _progress(runs: int) -> Any:
-    """A rich Progress on stderr (disabled off a terminal) and its ``on_run(label)``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    err = Console(stderr=True)
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeRemainingColumn(), console=err, disable=not err.is_terminal)
-    task = progress.add_task("replay", total=runs)
-    started = [False]
-
-    def on_run(label: str) -> None:
-        if started[0]:
-            progress.advance(task)
-        started[0] = True
-        progress.update(task, description=label)
-
-    def finish() -> None:
-        progress.update(task, completed=runs)
-
-    return progress, on_run, finish
-
-
 def _print_table(table: Any) -> None:
     from rich.console import Console
 
@@ -469,10 +447,8 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
     cycles = parse_cycles(args.cycles)
     policies = parse_policies(args.policy)
     train, ev = load_trace(args.train), load_trace(args.trace)
-    progress, on_run, finish = _progress(2 * len(policies) * len(cycles))
-    with progress:
+    with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
         out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run)
-        finish()
     if not args.json:
         _print_table(engine_replay.train_eval_table(out))
     return out
@@ -489,12 +465,10 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
     trace = load_trace(args.trace)
-    progress, on_run, finish = _progress(len(policies) * len(cycles))
-    with progress:
+    with run_progress("replay", len(policies) * len(cycles)) as on_run:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, on_run=on_run))
-        finish()
     if not args.json:
         _print_table(engine_replay.real_table(out))
     return out
@@ -514,29 +488,11 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
         libcachesim_module()  # fail before the trace is parsed
     trace = load_trace(args.trace)
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     runs = (len(policies) + (len(LIBCACHESIM_ALGOS) if args.compare_libcachesim else 0)) * len(cycles)
-    err = Console(stderr=True)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as progress:
-        task = progress.add_task("replay", total=runs)
-        started = [False]
-
-        def on_run(label: str) -> None:
-            if started[0]:
-                progress.advance(task)
-            started[0] = True
-            progress.update(task, description=label)
-
+    with run_progress("replay", runs) as on_run:
         out = replay(trace, args.trace, cycles, policies, args.compare_libcachesim, on_run)
-        progress.update(task, completed=runs)
     if not args.json:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=max(console.width, 140))
-        console.print(result_table(out))
+        _print_table(result_table(out))
     return out
 
 
