@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -69,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"iosched {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result, sort_keys=True))
+        try:
+            print(json.dumps(result, sort_keys=True), flush=True)
+        except BrokenPipeError:  # `iosched ... --json | head`: the reader left; not an error of ours
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
