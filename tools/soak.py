@@ -260,7 +260,7 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
         async def worker(wid: int) -> None:
             rng = random.Random(config.seed * 100_003 + wid)
             while c.issued < config.acquires:
-                n = 1 if rng.random() < 0.5 else rng.randint(2, config.group)
+                n = 1 if config.group == 1 or rng.random() < 0.5 else rng.randint(2, config.group)
                 n = min(n, config.acquires - c.issued)
                 batch = rng.sample(by_layer[rng.randrange(len(by_layer))], n)
                 c.issued += n
