@@ -18,11 +18,11 @@ import logging
 import os
 from typing import Any, ClassVar, Sequence
 
-from iosched._devices import logical_block_size
 from iosched._errors import ReadError
 
 from ._base import Caps
-from .pread import PreadBackend, open_all, pread_into
+from ._direct import DirectFiles
+from .pread import PreadBackend, pread_into
 
 log = logging.getLogger("iosched.backends")
 
@@ -33,41 +33,27 @@ class ODirectBackend(PreadBackend):
 
     def __init__(self, threads: int) -> None:
         super().__init__(threads)
-        self._direct: list[int | None] = []
-        """Per file: the O_DIRECT descriptor, or None once the file is read buffered."""
-        self._direct_fds: list[int] = []
-        self._align: list[int] = []
-        self.buffered_fallbacks: dict[str, str] = {}
-        """File path -> why it is read buffered."""
+        self._direct = DirectFiles(self.name)
         self.tail_reads = 0
 
     def open(self, paths: Sequence[str]) -> None:
         super().open(paths)  # the buffered descriptors
-        for path in paths:
-            try:
-                fd: int | None = open_all([path], os.O_DIRECT)[0]
-            except ReadError as exc:
-                cause = exc.__cause__
-                if not (isinstance(cause, OSError) and cause.errno == errno.EINVAL):
-                    self.close()
-                    raise
-                fd = None
-                self._fall_back(path, "the filesystem refuses O_DIRECT (open: EINVAL)")
-            self._direct.append(fd)
-            if fd is not None:
-                self._direct_fds.append(fd)
-            self._align.append(logical_block_size(path) if fd is not None else 1)
+        try:
+            self._direct.open(paths)
+        except ReadError:
+            self.close()
+            raise
 
-    def _fall_back(self, path: str, why: str) -> None:
-        if path not in self.buffered_fallbacks:
-            self.buffered_fallbacks[path] = why
-            log.warning("odirect: %s: %s; reading it buffered", path, why)
+    @property
+    def buffered_fallbacks(self) -> dict[str, str]:
+        """File path -> why it is read buffered."""
+        return self._direct.fallbacks
 
     def alignment(self, file: int) -> int:
-        return self._align[file]
+        return self._direct.align[file]
 
     def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> int:
-        fd, path, align = self._direct[file], self._paths[file], self._align[file]
+        fd, path, align = self._direct.fds[file], self._paths[file], self._direct.align[file]
         done = 0
         if fd is not None:
             try:
@@ -84,8 +70,7 @@ class ODirectBackend(PreadBackend):
                         f"{path}: O_DIRECT read of {length} bytes at offset {offset} failed: "
                         f"{exc.strerror or exc}"
                     ) from exc
-                self._direct[file] = None  # still closed by close(), through _direct_fds
-                self._fall_back(path, "the filesystem refuses O_DIRECT reads (EINVAL)")
+                self._direct.fall_back(file, "the filesystem refuses O_DIRECT reads (EINVAL)")
         if done < length:
             if fd is not None:
                 self.tail_reads += 1
@@ -95,14 +80,10 @@ class ODirectBackend(PreadBackend):
     def info(self) -> dict[str, Any]:
         return {
             **super().info(),
-            "block_sizes": sorted(set(self._align)),
-            "buffered_fallbacks": dict(self.buffered_fallbacks),
+            **self._direct.info(),
             "tail_reads": self.tail_reads,
         }
 
     def close(self) -> None:
-        for fd in self._direct_fds:
-            os.close(fd)
-        self._direct_fds.clear()
-        self._direct.clear()
+        self._direct.close()
         super().close()

@@ -47,10 +47,10 @@ import sys
 import tempfile
 from typing import Any, ClassVar, Sequence
 
-from iosched._devices import logical_block_size
 from iosched._errors import BackendUnavailable, ReadError
 
 from ._base import Caps
+from ._direct import DirectFiles
 from .pread import open_all
 
 log = logging.getLogger("iosched.backends")
@@ -225,36 +225,26 @@ class UringBackend:
         self._counts = dict.fromkeys(("submissions", "batches", "resubmits", "tail_reads"), 0)
         self._paths: list[str] = []
         self._fds: list[int] = []  # buffered descriptors
-        self._direct: list[int | None] = []  # per file; None: read it buffered
-        self._direct_fds: list[int] = []  # every O_DIRECT descriptor, for close()
-        self._align: list[int] = []
-        self.buffered_fallbacks: dict[str, str] = {}
-        """File path -> why it is read buffered."""
+        self._direct = DirectFiles(self.name)
 
     def open(self, paths: Sequence[str]) -> None:
         self._paths, self._fds = list(paths), open_all(paths, 0)
-        for path in paths:
-            fd: int | None = None
-            if Caps.DIRECT in self.caps:
-                try:
-                    fd = open_all([path], os.O_DIRECT)[0]
-                    self._direct_fds.append(fd)
-                except ReadError as exc:
-                    cause = exc.__cause__
-                    if not (isinstance(cause, OSError) and cause.errno == errno.EINVAL):
-                        self.close()
-                        raise
-                    self._fall_back(path, "the filesystem refuses O_DIRECT (open: EINVAL)")
-            self._direct.append(fd)
-            self._align.append(logical_block_size(path) if fd is not None else 1)
+        if Caps.DIRECT not in self.caps:
+            self._direct.open_buffered(paths)
+            return
+        try:
+            self._direct.open(paths)
+        except ReadError:
+            self.close()
+            raise
 
-    def _fall_back(self, path: str, why: str) -> None:
-        if path not in self.buffered_fallbacks:
-            self.buffered_fallbacks[path] = why
-            log.warning("uring: %s: %s; reading it buffered", path, why)
+    @property
+    def buffered_fallbacks(self) -> dict[str, str]:
+        """File path -> why it is read buffered."""
+        return self._direct.fallbacks
 
     def alignment(self, file: int) -> int:
-        return self._align[file]
+        return self._direct.align[file]
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         assert self._fds, "backend used before open()"
@@ -269,19 +259,18 @@ class UringBackend:
         if ring is None:
             ring = self._rings[loop] = _Ring(loop, self._entries, self._counts)
         async with ring.slots:
-            fd = self._direct[file]
+            fd = self._direct.fds[file]
             if fd is not None:
                 while done < length:
                     n = await self._sqe(ring, fd, file, view, done, offset, direct=True)
                     if n < 0:  # -EINVAL: the filesystem refuses O_DIRECT reads
-                        self._direct[file] = None
-                        self._fall_back(self._paths[file], "the filesystem refuses O_DIRECT reads (EINVAL)")
+                        self._direct.fall_back(file, "the filesystem refuses O_DIRECT reads (EINVAL)")
                         break
                     done += n
-                    if n == 0 or n % self._align[file]:
+                    if n == 0 or n % self._direct.align[file]:
                         break  # the file ends inside this read
                     self._counts["resubmits"] += done < length
-                if done < length and self._direct[file] is not None:
+                if done < length and self._direct.fds[file] is not None:
                     self._counts["tail_reads"] += 1
             while done < length:
                 n = await self._sqe(ring, self._fds[file], file, view, done, offset, direct=False)
@@ -315,8 +304,7 @@ class UringBackend:
             "rings": len(self._rings),
             **self._counts,
             "direct": Caps.DIRECT in self.caps,
-            "block_sizes": sorted(set(self._align)),
-            "buffered_fallbacks": dict(self.buffered_fallbacks),
+            **self._direct.info(),
         }
 
     def close(self) -> None:
@@ -324,9 +312,10 @@ class UringBackend:
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()
-        for fd in self._fds + self._direct_fds:
+        for fd in self._fds:
             os.close(fd)
-        self._fds, self._direct_fds, self._direct = [], [], []
+        self._fds = []
+        self._direct.close()
 
 
 class BufferedUringBackend(UringBackend):
