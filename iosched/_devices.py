@@ -1,9 +1,7 @@
-"""Which block device holds a file, and the facts about it the read path needs.
+"""The one fact about a file's block device the read path needs at open: O_DIRECT's alignment.
 
-A partition is reported as its disk (``vda1`` -> ``vda``): queue depth, block size and
-bandwidth are properties of the disk.  Files on devices without a sysfs entry (overlayfs,
-tmpfs, btrfs subvolumes: major 0) are reported as ``dev0:N``; issue #4's pyudev topology
-resolves those through mountinfo.
+A partition's queue settings are its disk's (``vda1`` -> ``vda``).  Naming drives, and every
+other fact about them, is ``iosched._topology``'s (pyudev, mountinfo for major-0 devices).
 """
 
 from __future__ import annotations
@@ -23,14 +21,6 @@ def _sysfs_disk(path: str) -> str | None:
     if os.path.exists(os.path.join(real, "partition")):
         real = os.path.dirname(real)
     return real
-
-
-def device_of(path: str) -> str:
-    disk = _sysfs_disk(path)
-    if disk is not None:
-        return os.path.basename(disk)
-    st = os.stat(path)
-    return f"dev{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
 def logical_block_size(path: str) -> int:

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import importlib
-import inspect
 import mmap
 import os
 import platform
@@ -53,6 +51,7 @@ import backends
 from backends import Backend, Caps, ZeroCopyBackend
 from iosched import StoreError, _settings
 from iosched._errors import BackendUnavailable, ReadError
+from iosched._topology import drive_of
 
 from . import _runner
 from ._progress import run_progress
@@ -235,14 +234,6 @@ def default_test_file(size: int) -> Path:
     return path
 
 
-def _sysfs(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def machine_info(path: str) -> dict[str, Any]:
     """Facts a reader needs to compare two results: CPUs, memory, kernel, the drive."""
     mem = mem_info()
@@ -257,33 +248,14 @@ def machine_info(path: str) -> dict[str, Any]:
         "fio": fio_version(),
     }
     try:
-        from iosched._devices import device_of
-
-        dev = device_of(path)
+        out["device"] = drive_of(path).as_dict()  # as `iosched topology` reports the drive
     except Exception:  # the device facts are informative only
-        dev = None
-    if dev is not None:
-        base = f"/sys/block/{dev}"
-        out["device"] = {
-            "name": dev,
-            "model": _sysfs(f"{base}/device/model"),
-            "rotational": _sysfs(f"{base}/queue/rotational"),
-            "scheduler": _sysfs(f"{base}/queue/scheduler"),
-            "nr_requests": _sysfs(f"{base}/queue/nr_requests"),
-            "logical_block_size": _sysfs(f"{base}/queue/logical_block_size"),
-        }
+        pass
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # backends
-
-
-def _accepts(func: Callable[..., Any], kwarg: str) -> bool:
-    try:
-        return kwarg in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _make_backend(name: str, direct: bool | None, qd: int) -> tuple[Backend, str, bool]:
@@ -314,19 +286,13 @@ def _make_backend(name: str, direct: bool | None, qd: int) -> tuple[Backend, str
             kwargs["direct"] = direct
         if qd > 64:  # the ring keeps at most 2 * entries reads in flight (its CQ size)
             kwargs["entries"] = 1 << (qd - 1).bit_length()
-    create: Callable[..., Backend] = backends.create
     with _settings.override(pread_threads=max(1, qd)):
-        if not kwargs:
-            backend = create(effective)
-        elif all(_accepts(create, key) for key in kwargs):
-            backend = create(effective, **kwargs)
-        else:  # create() takes only a name: the uring class takes the rest
-            cls: Callable[..., Backend] = getattr(importlib.import_module("backends.uring"),
-                                                  "UringBackend")
-            if "direct" in kwargs and not _accepts(cls, "direct"):
-                raise BackendUnavailable("backend 'uring' has no direct= switch here "
-                                         "(neither backends.create nor UringBackend takes it)")
-            backend = cls(**{k: v for k, v in kwargs.items() if _accepts(cls, k)})
+        if kwargs:  # a caching mode or ring size other than the store's: the class takes them
+            from backends.uring import UringBackend
+
+            backend: Backend = UringBackend(**kwargs)
+        else:
+            backend = backends.create(effective)
     return backend, effective, Caps.DIRECT in backend.caps
 
 
