@@ -15,9 +15,10 @@ import iosched  # noqa: F401
 from iosched import _settings
 from iosched._errors import BackendUnavailable
 
-from ._base import Backend, Caps, ZeroCopyBackend
+from ._base import Backend, Caps, TieredBackend, ZeroCopyBackend, map_tiered, read_tiered
 
-__all__ = ["Backend", "Caps", "NAMES", "ZeroCopyBackend", "available", "choose_auto", "create", "resolve"]
+__all__ = ["Backend", "Caps", "NAMES", "TieredBackend", "ZeroCopyBackend", "available", "choose_auto",
+           "create", "map_tiered", "read_tiered", "resolve"]
 
 NAMES = ("pread", "odirect", "mmap", "uring")
 

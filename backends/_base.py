@@ -21,12 +21,17 @@ Contract of :meth:`Backend.read`:
 
 A :attr:`Caps.ZERO_COPY` backend also implements :class:`ZeroCopyBackend`: the core asks it
 for a resident view of its own memory instead of a read into a slab.
+
+A backend that can tell whether a read was served from the page cache also has
+``read_tiered`` (and, zero-copy, ``map_tiered``), see :class:`TieredBackend`; the core calls
+them through :func:`read_tiered` and :func:`map_tiered`, which answer ``False`` ("it may have
+gone to the drive") for a backend without them, so wrappers and plain backends stay valid.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, cast
 
 
 class Caps(enum.Flag):
@@ -75,3 +80,34 @@ class ZeroCopyBackend(Backend, Protocol):
 
     def unmap(self, file: int, offset: int, length: int) -> None:
         """The core no longer needs those bytes resident: give the pages back."""
+
+
+class TieredBackend(Backend, Protocol):
+    async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        """:meth:`Backend.read`, and whether the page cache held every byte it returned:
+        ``True`` only when the kernel showed it (no byte needed device I/O); ``False`` for a
+        read that went to the device or that the backend cannot tell about, so a drive read
+        is never counted as a page-cache one."""
+
+
+class TieredZeroCopyBackend(ZeroCopyBackend, Protocol):
+    async def map_tiered(self, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
+        """:meth:`ZeroCopyBackend.map`, and whether making the range resident needed no
+        device I/O (same meaning of ``True`` and ``False`` as ``read_tiered``)."""
+
+
+async def read_tiered(backend: Backend, file: int, offset: int, length: int,
+                      buf: memoryview) -> tuple[int, bool]:
+    """``backend.read_tiered`` where it has one, else ``(backend.read(...), False)``."""
+    tiered = getattr(backend, "read_tiered", None)
+    if tiered is None:
+        return await backend.read(file, offset, length, buf), False
+    return await cast(TieredBackend, backend).read_tiered(file, offset, length, buf)
+
+
+async def map_tiered(backend: ZeroCopyBackend, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
+    """``backend.map_tiered`` where it has one, else ``(backend.map(...), False)``."""
+    tiered = getattr(backend, "map_tiered", None)
+    if tiered is None:
+        return await backend.map(file, offset, length), False
+    return await cast(TieredZeroCopyBackend, backend).map_tiered(file, offset, length)

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence, cast
 
 from iosched._errors import ReadError
 
-from ._base import Backend, Caps, ZeroCopyBackend
+from ._base import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
 
 
 @dataclass(frozen=True)
@@ -152,22 +152,29 @@ class FaultyBackend:
             return True
         return False
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+    async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        """The inner read (and what it says of the page cache), after the plan's faults."""
         if await self._before(file, offset, length):
             align = max(1, self.inner.alignment(file))
             half = (length // 2) // align * align
             if half == 0:
-                return 0
-            return await self.inner.read(file, offset, half, buf[:half])
-        return await self.inner.read(file, offset, length, buf)
+                return 0, False
+            return await read_tiered(self.inner, file, offset, half, buf[:half])
+        return await read_tiered(self.inner, file, offset, length, buf)
 
-    async def map(self, file: int, offset: int, length: int) -> memoryview:
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        return (await self.read_tiered(file, offset, length, buf))[0]
+
+    async def map_tiered(self, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
         """For a zero-copy inner backend: the same faults; a short read is the ReadError a
         mapping of a truncated file gives."""
         if await self._before(file, offset, length):
             raise ReadError(f"{self._paths[file]}: injected fault: the file ends before "
                             f"{offset + length} (short read)")
-        return await cast(ZeroCopyBackend, self.inner).map(file, offset, length)
+        return await map_tiered(cast(ZeroCopyBackend, self.inner), file, offset, length)
+
+    async def map(self, file: int, offset: int, length: int) -> memoryview:
+        return (await self.map_tiered(file, offset, length))[0]
 
     def unmap(self, file: int, offset: int, length: int) -> None:
         cast(ZeroCopyBackend, self.inner).unmap(file, offset, length)

@@ -14,6 +14,13 @@ A shard that shrinks under the store must not kill the process with SIGBUS: the 
 is checked (``fstat``) right before each pre-touch, and a range past the end is a
 :class:`ReadError`.  What this cannot cover, and ``docs/backends.md`` says: a file truncated
 *while* a pre-touch or the engine's compute reads it still raises SIGBUS, as with any mmap.
+
+Page-cache tier (``map_tiered``): a pre-touch that needed no device I/O took no *major* page
+fault.  The worker thread's ``ru_majflt`` (``getrusage(RUSAGE_THREAD)``, two system calls,
+about a microsecond whatever the range) is read before and after it; any major fault means
+some page came from the drive.  A page another read has in flight counts as major too (the
+fault waits for the I/O), so the answer errs towards "drive".  Copies (``read_tiered``, for
+experts of several extents) are probed as ``pread`` probes them.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import ctypes
 import errno
 import mmap
 import os
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Sequence
 
@@ -32,7 +40,7 @@ from iosched._errors import ReadError
 
 from ._base import Caps
 from ._util import run_to_completion
-from .pread import open_all, pread_into
+from .pread import PageCacheProbe, open_all
 
 PAGE = mmap.PAGESIZE
 MADV_PAGEOUT = 21  # linux/mman.h; Python's mmap module lacks it
@@ -41,6 +49,16 @@ MADV_POPULATE_READ = 22
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+
+
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def _major_faults() -> int:
+    """This thread's major page faults so far (-1 where the count is per process only)."""
+    if _RUSAGE_THREAD is None:
+        return -1
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
 
 
 def _madvise(address: int, length: int, advice: int) -> int:
@@ -65,10 +83,12 @@ class MmapBackend:
         self.pageout = True
         self.pretouched_bytes = 0
         self.released_bytes = 0
+        self._probe = PageCacheProbe()
 
     def open(self, paths: Sequence[str]) -> None:
         self._fds = open_all(paths, 0)
         self._paths = list(paths)
+        self._probe.open(paths)
         for fd, path in zip(self._fds, self._paths):
             size = os.fstat(fd).st_size
             if size == 0:
@@ -87,21 +107,33 @@ class MmapBackend:
     def alignment(self, file: int) -> int:
         return 1
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+    async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         """A copy out of the file (for experts made of several extents, which need one buffer)."""
         assert self._pool is not None, "backend used before open()"
         fut = asyncio.get_running_loop().run_in_executor(
-            self._pool, pread_into, self._fds[file], offset, length, buf, self._paths[file]
+            self._pool, self._probe.read, self._fds[file], file, offset, length, buf
         )
         return await run_to_completion(fut)
 
-    async def map(self, file: int, offset: int, length: int) -> memoryview:
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        return (await self.read_tiered(file, offset, length, buf))[0]
+
+    async def map_tiered(self, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
         assert self._pool is not None, "backend used before open()"
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._pretouch, file, offset, length)
-        await run_to_completion(fut)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._pretouch_counted, file, offset, length)
+        cached = await run_to_completion(fut)
         mm = self._maps[file]
         assert mm is not None
-        return memoryview(mm)[offset:offset + length].toreadonly()
+        return memoryview(mm)[offset:offset + length].toreadonly(), cached
+
+    async def map(self, file: int, offset: int, length: int) -> memoryview:
+        return (await self.map_tiered(file, offset, length))[0]
+
+    def _pretouch_counted(self, file: int, offset: int, length: int) -> bool:
+        """Pre-touch; ``True`` when it took no major fault (every page was cached)."""
+        before = _major_faults()
+        self._pretouch(file, offset, length)
+        return before >= 0 and _major_faults() == before
 
     def _pretouch(self, file: int, offset: int, length: int) -> None:
         path, mm = self._paths[file], self._maps[file]
@@ -156,6 +188,8 @@ class MmapBackend:
             "pageout": self.pageout,
             "pretouched_bytes": self.pretouched_bytes,
             "released_bytes": self.released_bytes,
+            **self._probe.info(),
+            "page_cache_probe_map": "ru_majflt" if _RUSAGE_THREAD is not None else "none",
         }
 
     def close(self) -> None:

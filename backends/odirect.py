@@ -9,6 +9,9 @@ Each file has a direct descriptor and a buffered one.  The buffered one serves t
 read past the last whole block of the file (an O_DIRECT read there comes back short), and
 every read of a file whose filesystem refuses O_DIRECT (tmpfs on old kernels, some FUSE),
 which is counted in :meth:`info` and logged once, never silent.
+
+Page-cache tier: an O_DIRECT read always goes to the device (``read_tiered`` answers
+``False``); only a file read buffered for good is probed, as ``pread`` probes.
 """
 
 from __future__ import annotations
@@ -52,30 +55,30 @@ class ODirectBackend(PreadBackend):
     def alignment(self, file: int) -> int:
         return self._direct.align[file]
 
-    def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+    def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         fd, path, align = self._direct.fds[file], self._paths[file], self._direct.align[file]
+        if fd is None:
+            return self._probe.read(self._fds[file], file, offset, length, buf)
         done = 0
-        if fd is not None:
-            try:
-                while done < length:
-                    n = os.preadv(fd, [buf[done:length]], offset + done)
-                    done += n
-                    if n == 0 or n % align:
-                        break  # the file ends inside this read
-            except InterruptedError:
-                pass  # finish buffered below
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise ReadError(
-                        f"{path}: O_DIRECT read of {length} bytes at offset {offset} failed: "
-                        f"{exc.strerror or exc}"
-                    ) from exc
-                self._direct.fall_back(file, "the filesystem refuses O_DIRECT reads (EINVAL)")
+        try:
+            while done < length:
+                n = os.preadv(fd, [buf[done:length]], offset + done)
+                done += n
+                if n == 0 or n % align:
+                    break  # the file ends inside this read
+        except InterruptedError:
+            pass  # finish buffered below
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise ReadError(
+                    f"{path}: O_DIRECT read of {length} bytes at offset {offset} failed: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+            self._direct.fall_back(file, "the filesystem refuses O_DIRECT reads (EINVAL)")
         if done < length:
-            if fd is not None:
-                self.tail_reads += 1
+            self.tail_reads += 1
             done += pread_into(self._fds[file], offset + done, length - done, buf[done:], path)
-        return done
+        return done, False
 
     def info(self) -> dict[str, Any]:
         return {

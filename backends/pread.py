@@ -3,11 +3,19 @@
 The portable baseline: ``os.preadv`` releases the GIL for the whole read, so N threads keep
 N reads in flight, and it needs nothing from the kernel beyond POSIX.  The pool size is the
 backend's queue depth (setting ``pread_threads``).
+
+Page-cache tier (``read_tiered``): each read first tries ``preadv2(RWF_NOWAIT)``, which the
+kernel serves only from cached, up-to-date pages, stopping (short count, or EAGAIN) at the
+first page it would have to wait for; the rest is then read normally.  A read that came back
+whole from the first try needed no device I/O.  It is the read itself, not an extra probe:
+a cached read costs the same system call as before, an uncached one one more (which starts the
+readahead the blocking read would start anyway); measured in ``docs/telemetry.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Sequence
@@ -16,6 +24,13 @@ from iosched._errors import ReadError
 
 from ._base import Caps
 from ._util import run_to_completion
+
+
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+def _read_error(path: str, length: int, offset: int, exc: OSError) -> ReadError:
+    return ReadError(f"{path}: read of {length} bytes at offset {offset} failed: {exc.strerror or exc}")
 
 
 def pread_into(fd: int, offset: int, length: int, buf: memoryview, path: str) -> int:
@@ -28,13 +43,52 @@ def pread_into(fd: int, offset: int, length: int, buf: memoryview, path: str) ->
         except InterruptedError:  # PEP 475 retries EINTR already; kept for handlers that raise
             continue
         except OSError as exc:
-            raise ReadError(
-                f"{path}: read of {length} bytes at offset {offset} failed: {exc.strerror or exc}"
-            ) from exc
+            raise _read_error(path, length, offset, exc) from exc
         if n == 0:
             break
         done += n
     return done
+
+
+class PageCacheProbe:
+    """Buffered reads that also say whether the page cache served them (``RWF_NOWAIT`` first).
+
+    Per file, until the filesystem refuses ``RWF_NOWAIT`` (EOPNOTSUPP: no ``FMODE_NOWAIT``);
+    from then on that file's reads are plain and answer ``False`` (counted as drive reads),
+    and ``info()`` names the file."""
+
+    def __init__(self) -> None:
+        self._paths: list[str] = []
+        self._nowait: list[bool] = []
+        self.refused: dict[str, str] = {}
+
+    def open(self, paths: Sequence[str]) -> None:
+        self._paths = list(paths)
+        self._nowait = [_RWF_NOWAIT is not None] * len(paths)
+
+    def read(self, fd: int, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        """``pread_into``, and ``True`` when every byte came from cached pages."""
+        path = self._paths[file]
+        if not self._nowait[file] or _RWF_NOWAIT is None:
+            return pread_into(fd, offset, length, buf, path), False
+        try:
+            first = os.preadv(fd, [buf[:length]], offset, _RWF_NOWAIT)
+        except (BlockingIOError, InterruptedError):  # EAGAIN: the first page is not cached
+            first = 0
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise _read_error(path, length, offset, exc) from exc
+            self._nowait[file] = False
+            self.refused[path] = "the filesystem refuses RWF_NOWAIT (EOPNOTSUPP)"
+            return pread_into(fd, offset, length, buf, path), False
+        if first >= length:
+            return first, True
+        rest = pread_into(fd, offset + first, length - first, buf[first:], path)
+        return first + rest, rest == 0  # nothing left to read: the file ended in cached pages
+
+    def info(self) -> dict[str, Any]:
+        return {"page_cache_probe": "preadv2(RWF_NOWAIT)" if _RWF_NOWAIT is not None else "none",
+                "page_cache_probe_refused": dict(self.refused)}
 
 
 def open_all(paths: Sequence[str], flags: int) -> list[int]:
@@ -59,27 +113,32 @@ class PreadBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._fds: list[int] = []
         self._paths: list[str] = []
+        self._probe = PageCacheProbe()
 
     def open(self, paths: Sequence[str]) -> None:
         self._fds = open_all(paths, 0)
         self._paths = list(paths)
+        self._probe.open(paths)
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"iosched-{self.name}")
 
     def alignment(self, file: int) -> int:
         return 1
 
-    def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> int:
-        return pread_into(self._fds[file], offset, length, buf, self._paths[file])
+    def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        return self._probe.read(self._fds[file], file, offset, length, buf)
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+    async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         assert self._pool is not None, "backend used before open()"
         fut = asyncio.get_running_loop().run_in_executor(
             self._pool, self._read_sync, file, offset, length, buf
         )
         return await run_to_completion(fut)
 
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        return (await self.read_tiered(file, offset, length, buf))[0]
+
     def info(self) -> dict[str, Any]:
-        return {"threads": self._threads}
+        return {"threads": self._threads, **self._probe.info()}
 
     def close(self) -> None:
         if self._pool is not None:

@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any, Mapping, Sequence
 
-from ._base import Backend
+from ._base import Backend, read_tiered
 
 
 class _Bucket:
@@ -55,11 +55,14 @@ class ThrottledBackend:
     def alignment(self, file: int) -> int:
         return self.inner.alignment(file)
 
-    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+    async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         bucket = self._buckets[file]
         if bucket is not None:
             await bucket.take(length)
-        return await self.inner.read(file, offset, length, buf)
+        return await read_tiered(self.inner, file, offset, length, buf)
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        return (await self.read_tiered(file, offset, length, buf))[0]
 
     def info(self) -> dict[str, Any]:
         return {**self.inner.info(), "throttled": dict(self._rates)}

@@ -305,6 +305,9 @@ class UringBackend:
             **self._counts,
             "direct": Caps.DIRECT in self.caps,
             **self._direct.info(),
+            # O_DIRECT reads are drive reads; buffered ones are not probed (a probe would be one
+            # more round trip through the ring), so the core counts them as drive reads too.
+            "page_cache_probe": "none",
         }
 
     def close(self) -> None:

@@ -5,7 +5,9 @@ For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, 
 1. asks the :class:`Router` for the replicas holding the file, best first;
 2. waits for a slot in that drive's :class:`DeviceQueue` (queue depth, demand before prefetch);
 3. has the backend read into the caller's buffer, and counts reads, bytes, errors, in-flight
-   per device and per replica;
+   per device and per replica (and ``migration_bytes``, the bytes of loads a prefetch started);
+   the backend also says whether the page cache served the read (``backends.read_tiered``),
+   which the caller gets back with the count;
 4. on an error or a short read (a truncated or removed replica) tries the next replica,
    counting a retry, and a *failover* when another replica then serves it; only when every
    replica failed does the error reach the store, naming the last file.
@@ -92,6 +94,8 @@ class ReadPath:
                              pending=lambda replica: self.per_replica[self._root_of[replica.file]].pending)
         self._align = [max(backend.alignment(r.file) for r in row) for row in table]
         self.bytes_read = 0
+        self.migration_bytes = 0
+        """The part of ``bytes_read`` read by loads a prefetch started (promoted or not)."""
         self.retries = 0
         self.failovers = 0
         self.stripe_threshold = stripe_threshold
@@ -109,24 +113,25 @@ class ReadPath:
     def paths(self) -> list[str]:
         return [r.path for row in self.router.replicas for r in row]
 
-    async def read_span(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int:
+    async def read_span(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> tuple[int, bool]:
         """Read ``span`` of checkpoint file ``span.file`` into ``buf``, failing over between
-        replicas; returns the count, at least ``span.head + span.need``.  A large O_DIRECT read
-        of a file with several healthy replicas is striped across them first."""
+        replicas; returns the count, at least ``span.head + span.need``, and whether the page
+        cache served the read that succeeded.  A large O_DIRECT read of a file with several
+        healthy replicas is striped across them first (a drive read)."""
         if self.striping and span.length >= self.stripe_threshold:
             got = await self._striped(key, span, buf, ticket)
             if got is not None:
-                return got
+                return got, False
 
-        async def attempt(replica: Replica) -> int:
-            got = await self._one(replica, span.offset, span.length, buf, ticket)
+        async def attempt(replica: Replica) -> tuple[int, bool]:
+            got, cached = await self._one(replica, span.offset, span.length, buf, ticket)
             if got < span.head + span.need:
                 raise ReadError(
                     f"{replica.path}: short read of expert {key!r}: the file ends at "
                     f"{span.offset + got}, before the extent's end at "
                     f"{span.offset + span.head + span.need}; was it truncated?"
                 )
-            return got
+            return got, cached
 
         return await self._failover(key, span.file, attempt)
 
@@ -160,26 +165,28 @@ class ReadPath:
                 self._failed(replica)
                 self.stripe_redos += 1
                 return None
-            got += result
-            if result < hi - lo:  # the file ends inside this leg: later legs must be empty
+            got += result[0]
+            if result[0] < hi - lo:  # the file ends inside this leg: later legs must be empty
                 break
         if got < span.head + span.need or got != sum(
-                r for r in results if isinstance(r, int)):
+                r[0] for r in results if isinstance(r, tuple)):
             self.stripe_redos += 1
             return None
         return got
 
-    async def map(self, key: Hashable, file: int, offset: int, length: int, ticket: Ticket) -> tuple[memoryview, int]:
+    async def map(self, key: Hashable, file: int, offset: int, length: int,
+                  ticket: Ticket) -> tuple[memoryview, int, bool]:
         """A zero-copy backend's resident view of the bytes, from the first replica that
-        serves them; returns the view and the backend file to unmap later."""
+        serves them; returns the view, the backend file to unmap later, and whether the page
+        cache held every byte."""
         zero_copy = self.zero_copy
         assert zero_copy is not None
 
-        async def attempt(replica: Replica) -> tuple[memoryview, int]:
+        async def attempt(replica: Replica) -> tuple[memoryview, int, bool]:
             async with self._slot(replica, ticket):
-                view = await zero_copy.map(replica.file, offset, length)
-            self._count(replica, length)
-            return view, replica.file
+                view, cached = await backends.map_tiered(zero_copy, replica.file, offset, length)
+            self._count(replica, length, ticket)
+            return view, replica.file, cached
 
         return await self._failover(key, file, attempt)
 
@@ -234,13 +241,14 @@ class ReadPath:
         self.hints += 1
         return True
 
-    async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview, ticket: Ticket) -> int:
+    async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview,
+                   ticket: Ticket) -> tuple[int, bool]:
         async with self._slot(replica, ticket):
-            got = await self.backend.read(replica.file, offset, length, buf)
-        self._count(replica, got)
-        return got
+            got, cached = await backends.read_tiered(self.backend, replica.file, offset, length, buf)
+        self._count(replica, got, ticket)
+        return got, cached
 
-    def _count(self, replica: Replica, nbytes: int) -> None:
+    def _count(self, replica: Replica, nbytes: int, ticket: Ticket) -> None:
         dev = self.devices[replica.device]
         dev.reads += 1
         dev.bytes += nbytes
@@ -248,6 +256,8 @@ class ReadPath:
         rep.reads += 1
         rep.bytes += nbytes
         self.bytes_read += nbytes
+        if ticket.prefetch:
+            self.migration_bytes += nbytes
 
     def _failed(self, replica: Replica) -> None:
         self.devices[replica.device].errors += 1

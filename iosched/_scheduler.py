@@ -25,12 +25,15 @@ HINT = 2
 
 
 class Ticket:
-    """The priority of one load, shared by all its reads; promotion re-queues waiting reads."""
+    """The priority of one load, shared by all its reads; promotion re-queues waiting reads.
+    ``prefetch`` says what started the load and stays when a demand promotes it: its bytes
+    were moved ahead of demand (``migration_bytes``) either way."""
 
-    __slots__ = ("priority", "_waiting")
+    __slots__ = ("priority", "prefetch", "_waiting")
 
     def __init__(self, priority: int) -> None:
         self.priority = priority
+        self.prefetch = priority == PREFETCH
         self._waiting: list[tuple["DeviceQueue", "_Waiter"]] = []
 
     def promote(self) -> None:

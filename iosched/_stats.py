@@ -43,6 +43,21 @@ class StoreStats:
     load_errors: int
     prefetch_issued: int
     prefetch_dropped: int
+    prefetch_used: int
+    """Prefetched entries an acquire then leased (hit or joined), each counted once."""
+    prefetch_wasted: int
+    """Prefetched entries that left the table (evicted, or dropped unadmitted) unleased."""
+    prefetch_failed: int
+    """Prefetch loads that failed.  ``prefetch_issued == used + wasted + failed + unused``
+    until ``close()``."""
+    prefetch_unused: int
+    """Prefetched entries (loading or resident) not leased yet: a gauge."""
+    hits_by_tier: dict[str, int]
+    """``resident``: ``hits``; ``page_cache``: demand loads the page cache served wholly;
+    ``drive``: the other demand loads that finished (``physical_misses``)."""
+    physical_misses: int
+    migration_bytes: int
+    """The part of ``bytes_read`` read by loads a prefetch started: moved ahead of demand."""
     tokens: int
     idle_slab_bytes: int
     backend: str

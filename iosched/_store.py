@@ -15,6 +15,13 @@ A load takes a page-aligned slab from the pool, reads each extent through the ba
 core counts per-device reads, bytes, errors and in-flight), builds the views, and only then
 publishes the entry.  A failed load removes its reservation, returns its slab and hands a
 :class:`StoreError` to every waiter; the next acquire of that key tries again.
+
+Where the bytes came from (``docs/telemetry.md``): a demand load that the backend shows was
+served wholly by the page cache counts in ``hits_by_tier["page_cache"]``, any other one in
+``hits_by_tier["drive"]`` (= ``physical_misses``).  An entry a prefetch loaded stays in
+``_unused_prefetch`` until an acquire leases it (``prefetch_used``) or it leaves the table
+unused (``prefetch_wasted``; ``prefetch_failed`` when its load failed); the hit path pays one
+test of that dict's emptiness for it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, fields
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import backends
 
@@ -118,6 +125,11 @@ class ExpertStore:
         self._requests = self._hits = self._misses = self._joins = 0
         self._load_errors = 0
         self._prefetch_issued = self._prefetch_dropped = 0
+        self._unused_prefetch: dict[Hashable, Entry] = {}
+        """Entries a prefetch started (loading or resident) that no acquire has leased yet."""
+        self._prefetch_used = self._prefetch_wasted = self._prefetch_failed = 0
+        self._page_cache_misses = self._physical_misses = 0
+        """Demand loads the page cache served wholly / the others (drive, or not known)."""
         self._tokens = 0
         self._felt_wait_s = self._service_s = 0.0
         # felt wait is the union of the intervals during which some acquire was waiting:
@@ -327,6 +339,7 @@ class ExpertStore:
                 continue
             self._speculative_bytes += layout.nbytes
             self._start_load(entry, layout, PREFETCH)
+            self._unused_prefetch[layout.key] = entry
             started += 1
         self._prefetch_issued += started
         return started
@@ -389,6 +402,14 @@ class ExpertStore:
             load_errors=self._load_errors,
             prefetch_issued=self._prefetch_issued,
             prefetch_dropped=self._prefetch_dropped,
+            prefetch_used=self._prefetch_used,
+            prefetch_wasted=self._prefetch_wasted,
+            prefetch_failed=self._prefetch_failed,
+            prefetch_unused=len(self._unused_prefetch),
+            hits_by_tier={"resident": self._hits, "page_cache": self._page_cache_misses,
+                          "drive": self._physical_misses},
+            physical_misses=self._physical_misses,
+            migration_bytes=self._io.migration_bytes,
             tokens=self._tokens,
             idle_slab_bytes=self._pool.idle_bytes,
             backend=self._backend.name,
@@ -455,6 +476,8 @@ class ExpertStore:
         self._hits += 1
         self._table.policy.on_request(layout.key, layout.nbytes, True)
         entry.leases += 1
+        if self._unused_prefetch:
+            self._lease_taken(entry)
         return entry
 
     async def _enter_slow(self, layout: ExpertLayout) -> Entry:
@@ -484,6 +507,7 @@ class ExpertStore:
                     self._start_load(entry, layout)
                 if entry.state is EntryState.RESIDENT:
                     entry.leases += 1
+                    self._lease_taken(entry)
                     return entry
                 ticket = self._tickets.get(key)
                 if ticket is not None and ticket.priority != DEMAND:
@@ -497,6 +521,7 @@ class ExpertStore:
                 # The load published the entry (a failed load raised above); the pin kept it
                 # from eviction until this line turns it into a lease.
                 entry.leases += 1
+                self._lease_taken(entry)
                 return entry
         except BaseException:
             if entry is not None:
@@ -506,6 +531,22 @@ class ExpertStore:
             self._waiting -= 1
             if self._waiting == 0:
                 self._felt_wait_s += time.perf_counter() - self._wait_since
+
+    def _lease_taken(self, entry: Entry) -> None:
+        """The first lease of an entry a prefetch loaded: the prefetch was used."""
+        if self._unused_prefetch.get(entry.key) is entry:
+            del self._unused_prefetch[entry.key]
+            self._prefetch_used += 1
+
+    def _left_table(self, entry: Entry, failed: bool = False) -> None:
+        """``entry`` left the table: if a prefetch loaded it and nobody leased it, the prefetch
+        was wasted (or failed).  Entries still unused when the store closes are neither."""
+        if self._unused_prefetch.get(entry.key) is entry:
+            del self._unused_prefetch[entry.key]
+            if failed:
+                self._prefetch_failed += 1
+            elif not self._closed:
+                self._prefetch_wasted += 1
 
     def _release(self, entry: Entry) -> None:
         entry.leases -= 1
@@ -517,6 +558,7 @@ class ExpertStore:
         if (entry.transient and entry.state is EntryState.RESIDENT and entry.leases == 0
                 and entry.pins == 0 and self._table.get(entry.key) is entry):
             self._table.remove(entry)
+            self._left_table(entry)  # a prefetch the policy did not admit, unjoined: wasted
             self._free_payload(entry)
         if self._room_waiters:
             self._wake_room()
@@ -567,17 +609,19 @@ class ExpertStore:
         try:
             if plan is None or slab is None:
                 ext = layout.extents[0]
-                view_bytes, backend_file = await self._io.map(layout.key, ext.file, ext.offset, ext.length, ticket)
+                view_bytes, backend_file, cached = await self._io.map(
+                    layout.key, ext.file, ext.offset, ext.length, ticket)
                 mapped = (backend_file, ext.offset, ext.length)
                 view = ExpertView.over(layout, view_bytes)
             else:
-                await self._read_plan(layout, plan, slab, ticket)
+                cached = await self._read_plan(layout, plan, slab, ticket)
                 data = memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes]
                 view = ExpertView.over(layout, data)
         except BaseException as exc:
             del self._tickets[layout.key]
             self._load_errors += 1
             self._table.remove(entry)
+            self._left_table(entry, failed=True)
             if slab is not None:
                 self._pool.give(slab, self._headroom())
             if mapped is not None and self._zero_copy is not None:
@@ -597,28 +641,37 @@ class ExpertStore:
             return
         del self._tickets[layout.key]
         self._service_s += time.perf_counter() - t0
+        if not ticket.prefetch:
+            if cached:
+                self._page_cache_misses += 1
+            else:
+                self._physical_misses += 1
         entry.payload = _Loaded(slab, view, mapped)
         self._table.publish(entry)
         entry.future.set_result(None)
         self._after_unpin(entry)
 
-    async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab, ticket: Ticket) -> None:
+    async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab, ticket: Ticket) -> bool:
+        """Read every span into ``slab``; ``True`` when the page cache served all of them."""
         buf = memoryview(slab.mm)
         spans = plan.spans
         if len(spans) == 1:
             span = spans[0]
-            await self._io.read_span(layout.key, span, buf[span.slab_pos:span.slab_pos + span.length], ticket)
-        else:
-            jobs = [self._io.read_span(layout.key, s, buf[s.slab_pos:s.slab_pos + s.length], ticket)
-                    for s in spans]
-            # Every span finishes (or fails) before the slab can be recycled.
-            results = await asyncio.gather(*jobs, return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            pack(plan, slab.mm)
+            _, cached = await self._io.read_span(
+                layout.key, span, buf[span.slab_pos:span.slab_pos + span.length], ticket)
+            return cached
+        jobs = [self._io.read_span(layout.key, s, buf[s.slab_pos:s.slab_pos + s.length], ticket)
+                for s in spans]
+        # Every span finishes (or fails) before the slab can be recycled.
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        pack(plan, slab.mm)
+        return all(r[1] for r in results if isinstance(r, tuple))
 
     def _on_evict(self, entry: Entry) -> None:
+        self._left_table(entry)
         self._free_payload(entry)
 
     def _free_payload(self, entry: Entry) -> None:

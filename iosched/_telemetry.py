@@ -3,7 +3,7 @@
 :class:`TokenTelemetry` writes one JSON object per line: at each ``store.token_boundary()``
 the counters' *deltas* since the previous boundary (or since the store opened), and one last
 line when the store closes, so the lines' deltas add up to the store's totals.  ``stats()``
-stays the summary; ``docs/telemetry.md`` lists every field and what is not measured yet.
+stays the summary; ``docs/telemetry.md`` lists every field and how each is measured.
 
 The file is opened (buffered) when the store opens, written and flushed once per line so a
 crashing engine loses at most the token in progress, and closed with the store.  One record
@@ -31,21 +31,18 @@ COUNTERS = (
     "admissions", "rejections", "evictions", "load_errors",
     "prefetch_issued", "prefetch_dropped", "prefetch_refused", "prefetch_refused_bytes",
     "prefetch_promoted", "hints", "hints_skipped", "retries", "failovers", "queue_waits",
-    "stripes", "stripe_redos",
+    "stripes", "stripe_redos", "prefetch_used", "prefetch_wasted", "prefetch_failed",
+    "physical_misses", "migration_bytes",
 )
 """Monotonic integer counters of ``stats()``: each record holds their deltas."""
 SECONDS = ("felt_wait_s", "service_s")
 """Monotonic float counters of ``stats()`` (seconds): deltas too."""
-GAUGES = ("resident_bytes", "resident_experts", "leased", "loading", "idle_slab_bytes", "budget_bytes")
+GAUGES = ("resident_bytes", "resident_experts", "leased", "loading", "idle_slab_bytes", "budget_bytes",
+          "prefetch_unused")
 """Current values at the end of the interval, not deltas."""
+TIERS = ("resident", "page_cache", "drive")
+"""Keys of ``hits_by_tier``: each a monotonic counter, so each record holds their deltas."""
 DEVICE_COUNTERS = ("reads", "bytes", "errors")
-NOT_MEASURED: dict[str, None] = {
-    "hits_by_tier": None,
-    "physical_misses": None,
-    "migration_bytes": None,
-    "prefetch_used": None,
-}
-"""Fields the issue asks for that the store does not measure yet: always ``null``."""
 
 
 class TokenTelemetry:
@@ -78,7 +75,8 @@ class TokenTelemetry:
             rec[name] = float(stats[name]) - float(prev.get(name, 0.0))
         for name in GAUGES:
             rec[name] = stats[name]
-        rec.update(NOT_MEASURED)
+        prev_tiers: dict[str, int] = prev.get("hits_by_tier", {})
+        rec["hits_by_tier"] = {t: stats["hits_by_tier"][t] - prev_tiers.get(t, 0) for t in TIERS}
         devices: dict[str, dict[str, Any]] = {}
         prev_dev: dict[str, dict[str, int]] = prev.get("per_device", {})
         for dev, now_d in stats["per_device"].items():
@@ -117,6 +115,11 @@ _COUNTER_HELP = {
     "prefetch_issued": "prefetch loads started",
     "prefetch_dropped": "prefetches dropped for want of room",
     "prefetch_refused": "prefetches refused by the per-token byte budget",
+    "prefetch_used": "prefetched experts an acquire then leased",
+    "prefetch_wasted": "prefetched experts that left the store unused",
+    "prefetch_failed": "prefetch loads that failed",
+    "physical_misses": "demand loads not served wholly by the page cache (drive reads)",
+    "migration_bytes": "bytes read by loads a prefetch started (moved ahead of demand)",
     "retries": "reads retried on another replica",
     "failovers": "reads another replica served after an error",
     "tokens": "token boundaries",
@@ -128,6 +131,7 @@ _GAUGE_HELP = {
     "leased": "experts leased now",
     "loading": "experts loading now",
     "idle_slab_bytes": "idle slab bytes in the pool",
+    "prefetch_unused": "prefetched experts not leased yet",
 }
 
 
@@ -153,6 +157,12 @@ class PrometheusExporter:
                                           "read service time summed over loads", value=s["service_s"])
                 for name, help_ in _GAUGE_HELP.items():
                     yield GaugeMetricFamily(f"iosched_{name}", help_, value=s[name])
+                tiers = CounterMetricFamily("iosched_hits_by_tier",
+                                            "acquires served by tier: resident (store hits), page_cache "
+                                            "and drive (demand loads)", labels=["tier"])
+                for tier in TIERS:
+                    tiers.add_metric([tier], s["hits_by_tier"][tier])
+                yield tiers
                 reads = CounterMetricFamily("iosched_device_reads", "reads per device", labels=["device"])
                 nbytes = CounterMetricFamily("iosched_device_bytes", "bytes read per device", labels=["device"])
                 errors = CounterMetricFamily("iosched_device_errors", "read errors per device", labels=["device"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -38,6 +39,50 @@ def backend(request: pytest.FixtureRequest) -> str:
     if reason is not None:
         pytest.skip(f"backend {name} is unavailable here: {reason}")
     return name
+
+
+def cached_pages(path: str | os.PathLike[str]) -> int:
+    """How many of the file's pages the page cache holds (``mincore`` over a fresh read-only
+    mapping: for a file this process owns, it reports the page cache, not only our mappings)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        pages = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        address = np.frombuffer(mm, dtype=np.uint8)
+        rc = libc.mincore(address.ctypes.data, size, pages)
+        del address  # the mapping closes only once no view of it is left
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), f"mincore of {path}")
+    return sum(b & 1 for b in pages.raw)
+
+
+def drop_page_cache(path: str | os.PathLike[str], offset: int = 0, length: int = 0) -> None:
+    """Write back and drop the file's cached pages in ``[offset, offset + length)`` (0: to the
+    end), so the next read of them goes to the drive.  Skips the test where the kernel keeps
+    them (tmpfs, or a page mapped elsewhere), which would make a drive read look cached."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if offset == 0 and length == 0 and cached_pages(path):
+        pytest.skip(f"the kernel keeps {path}'s pages cached after POSIX_FADV_DONTNEED (tmpfs?)")
+
+
+def warm_page_cache(path: str | os.PathLike[str]) -> None:
+    """Read the whole file through the page cache (buffered, not mapped)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            pass
 
 
 # Small shapes keep the suite fast; the index and the store treat them like real ones.

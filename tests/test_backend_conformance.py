@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import backends
-from backends import Backend, Caps, ZeroCopyBackend
+from backends import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
 from iosched import ExpertStore, ReadError
-from tests.conftest import EXPERTS, LAYERS
+from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -96,12 +96,12 @@ async def test_short_reads_and_eintr(backend: str, blob: tuple[str, bytes], monk
     real = os.preadv
     calls = 0
 
-    def flaky(fd: int, buffers: list[Any], offset: int) -> int:
+    def flaky(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
         nonlocal calls
         calls += 1
         if calls % 3 == 0:
             raise InterruptedError(errno.EINTR, "Interrupted system call")
-        return real(fd, [memoryview(buffers[0])[:4096]], offset)
+        return real(fd, [memoryview(buffers[0])[:4096]], offset, flags)
 
     be = opened(backend, path)
     monkeypatch.setattr(os, "preadv", flaky)
@@ -206,6 +206,39 @@ async def test_odirect_falls_back_when_refused(blob: tuple[str, bytes], monkeypa
         assert data == payload[3:10_003]
         assert path in be.info()["buffered_fallbacks"]
         assert sum("O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        be.close()
+
+
+async def test_page_cache_tier(backend: str, blob: tuple[str, bytes]) -> None:
+    """``read_tiered`` never calls a read of dropped pages cached; of a warm file it does so
+    exactly for the buffered backends that probe (``info()["page_cache_probe"]``); a partly
+    cached range is a drive read; a read ending at end of file in cached pages is cached."""
+    path, payload = blob
+    be = opened(backend, path)
+    try:
+        probes = not be.caps & Caps.DIRECT and be.info()["page_cache_probe"] != "none"
+        slab = mmap.mmap(-1, 1 << 20)
+        half = 256 << 10
+        drop_page_cache(path)
+        assert await read_tiered(be, 0, 0, 2 * half, memoryview(slab)[:2 * half]) == (2 * half, False)
+        assert bytes(slab[:2 * half]) == payload[:2 * half]
+        warm_page_cache(path)
+        drop_page_cache(path, 3 * half, half)  # [2 half, 3 half) cached, [3 half, 4 half) not
+        assert await read_tiered(be, 0, 2 * half, 2 * half, memoryview(slab)[:2 * half]) == (2 * half, False)
+        assert bytes(slab[:2 * half]) == payload[2 * half:4 * half]
+        assert await read_tiered(be, 0, 2 * half, half, memoryview(slab)[:half]) == (half, probes)
+        if not be.caps & Caps.DIRECT:
+            warm_page_cache(path)  # the read runs past the end: what there is, is cached
+            assert await read_tiered(be, 0, SIZE - 100, 4096, memoryview(slab)[:4096]) == (100, probes)
+        if be.caps & Caps.ZERO_COPY:
+            zc: ZeroCopyBackend = be  # type: ignore[assignment]
+            drop_page_cache(path)
+            view, cached = await map_tiered(zc, 0, 5000, 70_000)
+            assert bytes(view) == payload[5000:75_000] and not cached
+            warm_page_cache(path)
+            view, cached = await map_tiered(zc, 0, 600_000, 70_000)  # a range never mapped
+            assert bytes(view) == payload[600_000:670_000] and cached == probes
     finally:
         be.close()
 
