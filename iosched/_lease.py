@@ -94,6 +94,7 @@ class LeaseGroup:
                 lease.release()
             raise
         self._leases = leases
+        store._batch_done()
         return [v for v in views if v is not None]
 
     async def __aexit__(self, *exc_info: object) -> None:

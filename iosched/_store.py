@@ -37,6 +37,7 @@ import backends
 
 # Submodules, not the package: ``import residency`` in a fresh interpreter runs this module
 # while ``residency/__init__`` is still half-initialised.
+from residency._policy import ModelShape, Policy
 from residency._table import Entry, EntryState, ResidencyTable
 from residency.registry import make_policy
 
@@ -69,6 +70,42 @@ def _transient_bytes(policy: object, index: CheckpointIndex, budget_bytes: int) 
         return 0
     largest = max(layout.nbytes for layout in index.experts.values())
     return min((index.experts_per_token or 1) * largest, budget_bytes // 2)
+
+
+def _model_shape(index: CheckpointIndex) -> ModelShape | None:
+    """The checkpoint's shape as a structure-aware policy takes it (``None`` without k):
+    its MoE layers ascending (the order a token visits them), experts per layer, k, and the
+    largest expert of each layer."""
+    k = index.experts_per_token
+    if k is None or not index.experts:
+        return None
+    sizes: dict[int, int] = {}
+    n_expert = 0
+    for (layer, expert), layout in index.experts.items():
+        sizes[layer] = max(sizes.get(layer, 0), layout.nbytes)
+        n_expert = max(n_expert, expert + 1)
+    return ModelShape(layers=tuple(sorted(sizes)), n_expert=n_expert, experts_per_token=k,
+                      expert_bytes=sizes)
+
+
+def _build_policy(name: str, index: CheckpointIndex) -> tuple[Policy, str | None]:
+    """The policy ``name`` names, given the checkpoint's shape when it takes one; and why
+    another was used instead (``None`` when none was): ``default`` falls back to ``lru`` when
+    the checkpoint does not say k, an explicit structure-aware policy is refused."""
+    policy = make_policy(name)
+    set_shape = getattr(policy, "set_shape", None)
+    if not callable(set_shape):
+        return policy, None
+    shape = _model_shape(index)
+    if shape is None:
+        why = (f"policy {name!r} needs k, the experts routed per token, and {index.root} does not "
+               "say (no num_experts_per_tok in config.json, no expert_used_count in GGUF)")
+        if name != "default":
+            raise StoreError(why + "; pass experts_per_token=K to ExpertStore.open")
+        log.warning("%s: using lru", why)
+        return make_policy("lru"), why + ": lru used instead"
+    set_shape(shape)
+    return policy, None
 
 
 def _drive_names(paths: Sequence[str]) -> dict[str, str]:
@@ -108,7 +145,9 @@ class ExpertStore:
         self._zero_copy = io.zero_copy
         self._backend_reason = backend_reason
         self._policy_name = policy_name
-        policy = make_policy(policy_name)
+        policy, self._policy_fallback = _build_policy(policy_name, index)
+        self._prefetching = callable(getattr(policy, "end_batch", None))
+        self._on_wait: Callable[[Hashable, float], None] | None = getattr(policy, "on_wait", None)
         self._table = ResidencyTable(budget_bytes, policy, self._on_evict,
                                      transient_bytes=_transient_bytes(policy, index, budget_bytes))
         self._pool = SlabPool()
@@ -117,6 +156,8 @@ class ExpertStore:
         self._room_waiters: list[asyncio.Future[None]] = []
         self._tickets: dict[ExpertKey, Ticket] = {}
         """The priority of each load in flight (a demand join promotes a prefetch's)."""
+        self._policy_prefetches = 0
+        """Batches after which the policy proposed prefetches."""
         self._token_budget = token_budget_bytes
         self._speculative_bytes = 0
         """Bytes prefetch started since the last token boundary."""
@@ -320,8 +361,9 @@ class ExpertStore:
 
     def prefetch(self, keys: Iterable[ExpertKey]) -> int:
         """Start loads of the keys not resident nor loading, as far as the budget allows
-        without evicting a leased, pinned or loading expert.  Never blocks; returns how many
-        loads it started.  Unknown keys raise before any load starts."""
+        without evicting a leased, pinned or loading expert, nor one the policy values more
+        (its eviction guard, ``admit_prefetch``).  Never blocks; returns how many loads it
+        started.  Unknown keys raise before any load starts."""
         self._check_open()
         layouts = [self._layout_of(key) for key in keys]
         started = 0
@@ -333,9 +375,9 @@ class ExpertStore:
                 self._prefetch_refused += 1
                 self._prefetch_refused_bytes += layout.nbytes
                 continue
-            entry = self._table.reserve(layout.key, layout.nbytes)
-            if entry is None:
-                self._prefetch_dropped += 1
+            entry = self._table.reserve(layout.key, layout.nbytes, speculative=True)
+            if entry is None:  # no room without a leased/pinned/loading victim, or the
+                self._prefetch_dropped += 1  # policy's eviction guard refused
                 continue
             self._speculative_bytes += layout.nbytes
             self._start_load(entry, layout, PREFETCH)
@@ -343,6 +385,15 @@ class ExpertStore:
             started += 1
         self._prefetch_issued += started
         return started
+
+    def _batch_done(self) -> None:
+        """An ``acquire_many`` holds all its leases: the engine computes on this layer now, so
+        this is when the policy's predicted experts of the next layer are worth loading."""
+        if self._prefetching and not self._closed:
+            wanted = self._table.policy.end_batch()  # type: ignore[attr-defined]
+            if wanted:
+                self._policy_prefetches += 1
+                self.prefetch(wanted)
 
     def hint(self, keys: Iterable[ExpertKey]) -> int:
         """Ask the kernel to start reading experts into the page cache (``posix_fadvise``
@@ -424,6 +475,9 @@ class ExpertStore:
                 "prefetch_promoted": self._prefetch_promoted,
                 "hints_skipped": self._hints_skipped,
                 "token_budget_bytes": self._token_budget,
+                "policy_fallback": self._policy_fallback,
+                "policy_prefetch_batches": self._policy_prefetches,
+                "prefetch_guard_refusals": self._table.refused_prefetches,
                 **_sizing.cycle_stats(self._index, self._table.budget_bytes),
             },
         )
@@ -483,8 +537,9 @@ class ExpertStore:
     async def _enter_slow(self, layout: ExpertLayout) -> Entry:
         """Acquire when the expert is not resident (or the store is closed)."""
         self._check_open()
+        started = time.perf_counter()
         if self._waiting == 0:
-            self._wait_since = time.perf_counter()
+            self._wait_since = started
         self._waiting += 1
         table = self._table
         key = layout.key
@@ -529,8 +584,11 @@ class ExpertStore:
             raise
         finally:
             self._waiting -= 1
+            now = time.perf_counter()
             if self._waiting == 0:
-                self._felt_wait_s += time.perf_counter() - self._wait_since
+                self._felt_wait_s += now - self._wait_since
+            if self._on_wait is not None:
+                self._on_wait(key, now - started)  # the miss cost the policy weighs
 
     def _lease_taken(self, entry: Entry) -> None:
         """The first lease of an entry a prefetch loaded: the prefetch was used."""

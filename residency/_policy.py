@@ -23,14 +23,44 @@ the structural protocol, and LRU/LFU/Belady need not define them):
   bytes admitted entries may use (the budget less the transient slot); a policy that sizes
   segments in bytes (W-TinyLFU's window and protected region) takes it from here;
 * ``uses_admission: bool`` (class attribute): the policy may reject misses, so a driver
-  should give the table a transient slot (``tools/replay.py`` does).
+  should give the table a transient slot (``tools/replay.py`` does);
+* ``set_shape(shape: ModelShape) -> None``: called by the driver (the store from its
+  checkpoint index, the replay from the trace's header) before the first request, for a
+  policy that exploits the model's structure (``residency/moe.py``);
+* ``admit_prefetch(key, nbytes, victims) -> bool``: asked instead of ``admit`` for a
+  speculative load (``ResidencyTable.reserve(..., speculative=True)``); refusing leaves the
+  table untouched (the eviction guard: a prefetch must not displace what is worth more);
+* ``proposals() -> list[Key]``: keys the policy wants loaded ahead of demand, best first,
+  asked by the driver after each batch of requests (one layer of one token); the driver
+  issues them as speculative loads within its bytes-moved budget;
+* ``on_wait(key, seconds) -> None``: the felt wait of a demand miss (time the engine spent
+  awaiting it), for a policy that weighs misses by their measured cost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar, Hashable, Iterator, Protocol, Sequence
 
 Key = Hashable
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a structure-aware policy is told about the model: its MoE layers in visit
+    order, experts per layer, experts routed per token and layer, and bytes of one expert
+    per layer."""
+
+    layers: tuple[int, ...]
+    n_expert: int
+    experts_per_token: int
+    expert_bytes: Mapping[int, int]
+
+    @property
+    def token_cycle_bytes(self) -> int:
+        """TD = k x the sum of one expert's bytes over the layers: the bytes a token routes."""
+        return self.experts_per_token * sum(self.expert_bytes[layer] for layer in self.layers)
 
 
 class Policy(Protocol):

@@ -108,6 +108,8 @@ class ResidencyTable:
         self.rejections = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        self.refused_prefetches = 0
+        """Speculative reservations the policy refused (the eviction guard) or that could never fit."""
         set_budget = getattr(policy, "set_budget", None)
         if callable(set_budget):
             set_budget(self.main_bytes)
@@ -126,11 +128,15 @@ class ResidencyTable:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def reserve(self, key: Key, nbytes: int) -> Entry | None:
+    def reserve(self, key: Key, nbytes: int, speculative: bool = False) -> Entry | None:
         """Reserve ``nbytes`` for a load of ``key``, evicting as the policy orders.
 
         Returns the new LOADING entry, or ``None`` (and changes nothing) when not enough
         bytes can be freed now because the rest is leased, pinned or loading.
+
+        ``speculative``: a prefetch, not a demand.  It is admitted or not at all: the policy's
+        ``admit_prefetch`` (or ``admit``) is asked with the victims, and a refusal, like a lack
+        of room, answers ``None`` with nothing evicted; it never uses the transient slot.
         """
         if nbytes > self.budget_bytes:
             raise BudgetError(
@@ -141,6 +147,8 @@ class ResidencyTable:
             raise BudgetError(f"expert {key!r} has a negative size ({nbytes} bytes)")
         if key in self._entries:
             raise AssertionError(f"reserve of {key!r}, which is already in the table")
+        if speculative:
+            return self._reserve_speculative(key, nbytes)
         victims: list[Entry] | None = None
         if nbytes <= self.main_bytes:  # else it can never be admitted
             victims = self._victims_for(max(self.used_bytes + nbytes - self.budget_bytes,
@@ -179,6 +187,28 @@ class ResidencyTable:
             self.policy.on_insert(key, nbytes)
         else:
             self.rejections += 1
+        return entry
+
+    def _reserve_speculative(self, key: Key, nbytes: int) -> Entry | None:
+        if nbytes > self.main_bytes:
+            self.refused_prefetches += 1
+            return None
+        victims = self._victims_for(max(self.used_bytes + nbytes - self.budget_bytes,
+                                        self.admitted_bytes + nbytes - self.main_bytes))
+        if victims is None:
+            return None
+        admit = getattr(self.policy, "admit_prefetch", None) or self.policy.admit
+        if not admit(key, nbytes, [v.key for v in victims]):
+            self.refused_prefetches += 1
+            return None
+        for victim in victims:
+            self.evict(victim)
+        entry = Entry(key, nbytes, transient=False)
+        self._entries[key] = entry
+        self.used_bytes += nbytes
+        self.admitted_bytes += nbytes
+        self.admissions += 1
+        self.policy.on_insert(key, nbytes)
         return entry
 
     def publish(self, entry: Entry) -> None:

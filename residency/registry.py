@@ -9,12 +9,15 @@ from iosched._errors import StoreError
 from ._policy import Policy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
+from .moe import MoEPolicy
 from .wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
-    # "default" is the best policy the project has; until issue #5 lands that is LRU.
-    "default": LRUPolicy,
+    # "default" is the best policy the project has: the MoE-aware one (residency/moe.py).
+    # It needs the model's shape (set_shape), which the store and iosched replay give it.
+    "default": MoEPolicy,
+    "moe": MoEPolicy,
     # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,
     # W-TinyLFU: window + probation/protected, count-min admission (residency/wtinylfu.py).

@@ -728,7 +728,7 @@ def test_residency_state_machine() -> None:
 # ----------------------------------------------------------------------------- 6. make_policy
 
 
-@pytest.mark.parametrize("name", ["lru", "default"])
+@pytest.mark.parametrize("name", ["lru"])
 def test_make_policy_builds_a_fresh_working_policy(name: str) -> None:
     assert name in POLICIES
     policy: Policy = make_policy(name)

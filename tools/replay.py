@@ -55,8 +55,8 @@ from typing import Any
 
 from iosched import StoreError
 from iosched._errors import BudgetError
-from residency import POLICIES, ResidencyTable, make_policy
-from residency._policy import Key, Policy
+from residency import POLICIES, Entry, ResidencyTable, make_policy
+from residency._policy import Key, ModelShape, Policy
 from residency.belady import NEVER, BeladyPolicy, next_uses
 from residency.lfu import LFUPolicy
 
@@ -105,20 +105,38 @@ class Requests:
     """Bytes of each request: its layer's expert_bytes from the header."""
     decode: list[bool]
     """Whether each request belongs to the decode phase."""
+    batch_end: list[bool]
+    """Whether each request is the last of its batch (one layer of one token, or one prefill
+    layer): where an engine's ``acquire_many`` returns and the driver asks for prefetches."""
+    shape: ModelShape
+    """The model's shape from the trace's header, for policies that use it."""
+    key_bytes: dict[tuple[int, int], int]
+    """Bytes of every (layer, expert) of the model (its layer's expert_bytes), prefetches included."""
 
     @classmethod
     def of(cls, trace: RouteTrace) -> Requests:
         layers = trace.req_layer.tolist()
         experts = trace.req_expert.tolist()
+        batch = trace.req_batch.tolist()
         return cls(
             keys=list(zip(layers, experts)),
             ids=[ly * trace.n_expert + ex for ly, ex in zip(layers, experts)],
             sizes=trace.req_bytes.tolist(),
             decode=(trace.req_phase == PHASE_DECODE).tolist(),
+            batch_end=[a != b for a, b in zip(batch, batch[1:] + [-1])],
+            shape=shape_of(trace),
+            key_bytes={(layer, e): nbytes for layer, nbytes in trace.expert_bytes.items()
+                       for e in range(trace.n_expert)},
         )
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def shape_of(trace: RouteTrace) -> ModelShape:
+    """What the trace's header says of the model, as a structure-aware policy takes it."""
+    return ModelShape(layers=tuple(trace.layers), n_expert=trace.n_expert,
+                      experts_per_token=trace.k, expert_bytes=dict(trace.expert_bytes))
 
 
 def load_trace(spec: str) -> RouteTrace:
@@ -177,13 +195,16 @@ def budget_for(trace: RouteTrace, cycles: float) -> int:
 
 
 def build_policy(name: str, reqs: Requests, budget: int) -> Policy:
-    """A fresh policy: from the registry, or an offline one built from the sequence."""
+    """A fresh policy: from the registry, or an offline one built from the sequence; a
+    policy that takes the model's shape gets it (as the store gives it its checkpoint's)."""
     if name in OFFLINE:
         keys: list[Key] = list(reqs.keys)
         return BeladyPolicy(keys, bypass_budget=budget if OFFLINE[name] else None)
-    if name in VARIANTS:
-        return VARIANTS[name]()
-    return make_policy(name)
+    policy = VARIANTS[name]() if name in VARIANTS else make_policy(name)
+    set_shape = getattr(policy, "set_shape", None)
+    if callable(set_shape):
+        set_shape(reqs.shape)
+    return policy
 
 
 def transient_bytes_for(policy: Policy, reqs: Requests, budget: int) -> int:
@@ -233,23 +254,48 @@ def _row(policy: str, cycles: float, budget: int, reqs: Requests, hit_flags: lis
 
 
 def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
-             check_every: int = 0) -> dict[str, Any]:
+             check_every: int = 0, token_budget_bytes: int | None = None) -> dict[str, Any]:
     """Replay ``reqs`` through ``ResidencyTable(budget, policy)`` as the store drives it.
 
+    After the last request of each batch, a policy with ``end_batch`` is told the batch is
+    complete and names the experts it wants loaded ahead; each one not in the table is
+    reserved speculatively (the policy's eviction guard may refuse) and published at once
+    (virtual time: a load takes no time, and an expert that is loading counts as a hit
+    anyway).  ``token_budget_bytes`` caps the bytes prefetched per token, as the store's
+    setting of that name does; ``None``: no cap beyond the policy's own.
     ``check_every``: also re-check the table's invariants every that many requests (tests).
     """
     t0 = time.perf_counter()
     policy = build_policy(policy_name, reqs, budget)
-    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, reqs, budget))
+    unused: set[Key] = set()
+    wasted = [0]
+
+    def on_evict(entry: Entry) -> None:
+        if entry.key in unused:
+            unused.discard(entry.key)
+            wasted[0] += 1
+
+    table = ResidencyTable(budget, policy, on_evict,
+                           transient_bytes=transient_bytes_for(policy, reqs, budget))
+    end_batch: Callable[[], list[Key]] | None = getattr(policy, "end_batch", None)
+    first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
     flags: list[bool] = []
-    oversize = 0
+    oversize = miss_bytes = prefetched = prefetched_bytes = used = refused = 0
+    token_prefetch = 0
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
     on_request = table.policy.on_request
     for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
+        if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
+            token_prefetch = 0  # a new token (or the prefill) starts at the first layer
         hit = get(key) is not None
         flags.append(hit)
         on_request(key, nbytes, hit)
-        if not hit:
+        if hit:
+            if key in unused:
+                unused.discard(key)
+                used += 1
+        else:
+            miss_bytes += nbytes
             try:
                 entry = reserve(key, nbytes)
             except BudgetError:
@@ -261,6 +307,22 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
                 publish(entry)
                 if entry.transient:
                     remove(entry)
+        if end_batch is not None and reqs.batch_end[i]:
+            for want in end_batch():
+                size = reqs.key_bytes[want]  # type: ignore[index]
+                if get(want) is not None:
+                    continue
+                if token_budget_bytes is not None and token_prefetch + size > token_budget_bytes:
+                    refused += 1
+                    continue
+                e = reserve(want, size, speculative=True)
+                if e is None:
+                    continue
+                publish(e)
+                unused.add(want)
+                prefetched += 1
+                prefetched_bytes += size
+                token_prefetch += size
         if check_every and (i + 1) % check_every == 0:
             table.check()
     table.check()
@@ -269,7 +331,11 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
     row = _row(policy_name, cycles, budget, reqs, flags, time.perf_counter() - t0)
     row.update(admissions=table.admissions, rejections=table.rejections,
                evictions=table.evictions, oversize=oversize,
-               resident_bytes=table.used_bytes, resident_experts=len(table))
+               resident_bytes=table.used_bytes, resident_experts=len(table),
+               miss_bytes=miss_bytes, prefetch_issued=prefetched,
+               prefetch_bytes=prefetched_bytes, prefetch_used=used, prefetch_wasted=wasted[0],
+               prefetch_refused_guard=table.refused_prefetches,
+               prefetch_refused_budget=refused, moved_bytes=miss_bytes + prefetched_bytes)
     return row
 
 

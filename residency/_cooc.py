@@ -1,0 +1,68 @@
+"""Cross-layer co-activation: which experts of the next layer follow this layer's picks.
+
+Why: one token's picks in layer ``l`` predict its picks in layer ``l + 1`` far better than
+popularity does (on the bundled traces, the top-k by co-occurrence with the current picks name
+50.8 % / 49.2 % of the next layer's experts, top-k by frequency 35.2 % / 36.8 %; measured in
+docs/residency.md). That is what lets a prefetch issued while layer ``l`` computes land
+before layer ``l + 1`` asks.
+
+``counts[p, i, j]`` is how often expert ``j`` of the layer after position ``p`` was routed in
+the same token as expert ``i`` of layer ``p``, and ``picks[p, i]`` how often ``i`` was a pick
+whose next layer was learned; both learned online from decode-like batches (at most ``k``
+experts, so a prefill batch of many tokens does not pair experts of different tokens).
+:meth:`predict` estimates each next-layer expert's probability of being routed as the mean,
+over this token's picks ``i``, of ``P(j | i)``, each shrunk toward the next layer's popularity
+by one pseudo-observation: ``(counts[p, i, j] + k x popularity(j)) / (picks[p, i] + 1)``.
+Measured online on the bundled traces (top-k precision / log loss per expert and batch):
+the plain sum of rows 50.3 % / 2.88 (qwen) and 49.1 % / 2.97 (gemma), the mean of
+conditionals 55.4 / 2.65 and 53.8 / 2.73, with the shrinkage 54.2 / 2.35 and 52.5 / 2.40;
+popularity alone 34.9 / 3.01 and 36.9 / 3.01. The shrunk one is the best calibrated, and the
+policy weighs its probabilities against resident experts, so calibration is what counts.
+
+Memory is ``layers x experts x experts`` float32 (3 MiB for 48 x 128); above
+:data:`MAX_CELLS` cells the table is not kept and :meth:`predict` answers nothing (the policy
+then prefetches nothing, which is always safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+F64 = npt.NDArray[np.float64]
+
+MAX_CELLS = 1 << 24
+"""64 MiB of float32: room for 256 layers of 128 experts, or 64 of 256."""
+
+
+class CoActivation:
+    def __init__(self, n_layers: int, n_expert: int) -> None:
+        self.n_layers = n_layers
+        self.n_expert = n_expert
+        cells = n_layers * n_expert * n_expert
+        self.counts: npt.NDArray[np.float32] | None = (
+            np.zeros((n_layers, n_expert, n_expert), dtype=np.float32) if cells <= MAX_CELLS else None)
+        self.picks = np.zeros((n_layers, n_expert))
+
+    def learn(self, pos: int, picks: Sequence[int], next_picks: Sequence[int]) -> None:
+        """One token routed ``picks`` at layer position ``pos`` and ``next_picks`` at the next."""
+        if self.counts is not None and picks and next_picks:
+            self.counts[pos][np.ix_(np.asarray(picks), np.asarray(next_picks))] += 1.0
+            self.picks[pos, np.asarray(picks)] += 1.0
+
+    def predict(self, pos: int, picks: Sequence[int], k: int, popularity: F64) -> F64 | None:
+        """Probabilities of the next layer's experts being routed given this token's ``picks``
+        at ``pos``; ``popularity`` is the next layer's distribution of picks (sums to 1).
+        ``None`` when no transition from ``pos`` was learned yet."""
+        if self.counts is None or not picks:
+            return None
+        idx = np.asarray(picks)
+        seen = self.picks[pos, idx]
+        if not seen.any():
+            return None
+        rows = self.counts[pos][idx].astype(np.float64)
+        cond = (rows + k * popularity[None, :]) / (seen[:, None] + 1.0)
+        out: F64 = np.minimum(cond.mean(axis=0), 1.0)
+        return out

@@ -1,0 +1,360 @@
+"""``moe``: the default policy, built on the structure of MoE routing.
+
+Why a policy of its own: a token visits every MoE layer once, in a fixed order, so the next
+request for an expert of layer ``l`` can only come at ``l``'s next visit, and the layer just
+served is the one visited last again. LRU evicts precisely the layer that comes next, LFU
+ignores both the cycle and the fact that recently routed experts come back (see
+docs/residency.md). This policy ranks resident experts by *hit density*, the hits an expert's
+bytes are expected to buy per unit of time they are held (LHD, Beckmann et al., NSDI 2018),
+with three MoE-specific parts:
+
+1. **Reuse from the run itself.** The probability of an expert being routed within the next
+   ``h`` visits of its layer comes from an online hazard table over (age, count) classes
+   (``residency/_hazard.py``); ``h``, the horizon, is the mean age at which the table evicts
+   (measured, an exponential average over the last ~100 evictions), started at the budget in
+   token cycles.
+2. **The layer cycle.** An expert of the layer ``d`` visits ahead waits ``d`` layer steps
+   before its first chance of a hit, then a whole cycle of ``L`` steps per further visit:
+   density = ``P(hit within h) x cost / ((d + L x E[idle visits]) x bytes)``. Evicting the
+   lowest density over all layers at once gives every layer the bytes whose marginal density
+   is equal: the water-filling of the budget over layers, re-planned at every batch.
+3. **Prefetch of the next layer.** After each batch (one layer of one token) the driver asks
+   :meth:`MoEPolicy.end_batch`, which predicts the next layer's experts from the cross-layer
+   co-activation of this token's picks (``residency/_cooc.py``) and proposes the ``k`` best.
+   The driver loads them speculatively within its bytes-moved budget; the table asks
+   :meth:`MoEPolicy.admit_prefetch`, which refuses unless the candidate's density beats every
+   victim's (the eviction guard). A prefetched expert keeps its candidate density until the
+   visit it was fetched for has passed (a minimum age, so the next batch's misses cannot
+   evict it first); the store publishes it only when its read succeeded.
+
+``cost`` is the felt wait of the layer's misses (:meth:`MoEPolicy.on_wait`, measured by the
+store: the time the engine spent awaiting ``acquire``, not the read's service time), relative
+to the mean; without measurements (the replay) every miss costs the same, so the density
+counts hits, the replay's metric.
+
+Demand misses are always admitted: an admission filter measured no gain on the bundled traces
+(docs/residency.md, negative results), and a demand miss's bytes are held while the engine
+computes on it anyway.
+
+Nothing here is fitted to a trace: ``k``, ``L`` and the expert sizes come from the model's
+shape (:class:`~residency._policy.ModelShape`), the hazard and co-activation are learned on the
+run, the horizon is measured; the remaining constants (bins, priors, the ~100-eviction
+average) are structural and say so where they are defined.
+
+Invariants (:meth:`check`): the resident mask is exactly the table's admitted keys; only
+resident experts carry a pending (prefetch) density; the batch in progress is a layer's
+distinct experts; ages are never negative; the hazard table holds no more uses than exposures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from iosched._errors import StoreError
+
+from ._cooc import CoActivation
+from ._hazard import AGE_MAX, HazardTable, count_bin
+from ._policy import Key, ModelShape
+
+F64 = npt.NDArray[np.float64]
+
+HORIZON_MEMORY = 100
+"""Evictions the horizon average spans (decay 1 - 1/100): long enough to smooth single
+evictions, short enough to follow a budget that grows between turns."""
+
+
+class MoEPolicy:
+    name: ClassVar[str] = "moe"
+    uses_admission: ClassVar[bool] = False
+
+    def __init__(self, shape: ModelShape | None = None, prefetch_width: int | None = None) -> None:
+        """``prefetch_width``: experts proposed per batch at most; ``None`` is ``k``, one
+        batch's worth (per token, at most one token cycle of bytes, spread evenly over the
+        layers: the churn limit); 0 turns prefetching off (an eviction-only policy)."""
+        if prefetch_width is not None and (isinstance(prefetch_width, bool)
+                                           or not isinstance(prefetch_width, int) or prefetch_width < 0):
+            raise StoreError(f"policy 'moe': prefetch_width must be an integer >= 0, got {prefetch_width!r}")
+        self._width_setting = prefetch_width
+        self._shape: ModelShape | None = None
+        self._budget: int | None = None
+        if shape is not None:
+            self.set_shape(shape)
+
+    # ------------------------------------------------------------------ set-up hooks
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes
+
+    def set_shape(self, shape: ModelShape) -> None:
+        if self._shape is not None:
+            if shape != self._shape:
+                raise StoreError(f"policy 'moe': set_shape with another shape ({shape}) than before")
+            return
+        if not shape.layers or shape.n_expert <= 0 or shape.experts_per_token <= 0:
+            raise StoreError(f"policy 'moe': empty model shape {shape}")
+        self._shape = shape
+        self._layers = tuple(shape.layers)
+        self._pos = {layer: i for i, layer in enumerate(self._layers)}
+        self._where: dict[Key, tuple[int, int]] = {}
+        self._L = L = len(self._layers)
+        self._E = E = shape.n_expert
+        self._k = shape.experts_per_token
+        self._width = self._k if self._width_setting is None else self._width_setting
+        self._size = np.array([[float(shape.expert_bytes[layer])] * E for layer in self._layers])
+        self._count = np.zeros((L, E))
+        self._last = np.full((L, E), -AGE_MAX, dtype=np.int64)
+        self._visits = np.zeros(L, dtype=np.int64)
+        self._resident = np.zeros((L, E), dtype=bool)
+        self._in_batch = np.zeros((L, E), dtype=bool)
+        self._pending = np.full((L, E), np.nan)
+        self._wait_sum = np.zeros(L)
+        self._wait_n = np.zeros(L)
+        self._hazard = HazardTable()
+        self._coact = CoActivation(L, E)
+        self._batch_pos = -1
+        self._batch: list[int] = []
+        self._prev: tuple[int, list[int]] | None = None
+        self._proposed: dict[tuple[int, int], float] = {}
+        self._horizon = float("nan")
+        self._base: F64 | None = None
+        self._next_key: tuple[int, int] | None = None
+        self._next_value: F64 | None = None
+        self._age = np.zeros((L, E), dtype=np.int64)
+        self._cb = np.zeros((L, E), dtype=np.int64)
+        self._batches_since_rebuild = 0
+        self._rebuild()
+
+    @property
+    def shaped(self) -> bool:
+        return self._shape is not None
+
+    # ------------------------------------------------------------------ the Policy protocol
+
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        pos, e = self._locate(key)
+        if pos != self._batch_pos or self._in_batch[pos, e]:
+            self._end_batch()
+            self._batch_pos = pos
+        self._batch.append(e)
+        self._in_batch[pos, e] = True
+        self._proposed.pop((pos, e), None)
+        self._size[pos, e] = nbytes
+
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        return True
+
+    def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        """The eviction guard: load ``key`` ahead of demand only if its density (with its
+        predicted chance of being routed at the next visit) beats that of every expert it
+        would displace.  Measured alternative, dropped: comparing hit probabilities within
+        the horizon instead of densities lost 1-3 points at 0.5-2 TD (docs/residency.md)."""
+        if not victims:
+            return True
+        values = self._values()
+        worst = max(values[self._locate(v)] for v in victims)
+        return bool(values[self._locate(key)] > worst)
+
+    def on_insert(self, key: Key, nbytes: int) -> None:
+        pos, e = self._locate(key)
+        self._resident[pos, e] = True
+        self._size[pos, e] = nbytes
+        if (pos, e) in self._proposed:  # a speculative load: guarded until its visit passes
+            self._pending[pos, e] = self._values()[pos, e]
+
+    def on_remove(self, key: Key) -> None:
+        pos, e = self._locate(key)
+        self._resident[pos, e] = False
+        self._pending[pos, e] = np.nan
+        age = max(1, int(self._visits[pos] - self._last[pos, e]))
+        self._horizon += (min(age, AGE_MAX) - self._horizon) / HORIZON_MEMORY
+
+    def victims(self) -> Iterator[Key]:
+        idx = np.flatnonzero(self._resident)
+        if not idx.size:
+            return
+        vals = self._values().ravel()[idx]
+        last = self._in_batch.ravel()[idx]
+        if 0 < len(self._batch) < self._k:
+            # A decode batch in progress: its layer's other experts may be among the picks
+            # still to come, one step away rather than a whole cycle; they go last too.
+            last = last | (idx // self._E == self._batch_pos)
+        vals = np.where(last, np.inf, vals)  # the batch in progress last
+        E, layers = self._E, self._layers
+        for i in idx[np.argsort(vals, kind="stable")].tolist():
+            yield (layers[i // E], i % E)
+
+    def on_wait(self, key: Key, seconds: float) -> None:
+        pos, _ = self._locate(key)
+        if math.isfinite(seconds) and seconds >= 0:
+            self._wait_sum[pos] += seconds
+            self._wait_n[pos] += 1
+            self._base = None
+
+    def end_batch(self) -> list[Key]:
+        """The batch of requests just made (one layer of one token) is complete: learn from
+        it, and return the next layer's experts worth loading ahead, best first."""
+        if self._shape is None or self._batch_pos < 0:
+            return []
+        pos, picks = self._batch_pos, list(self._batch)
+        self._end_batch()
+        if len(picks) > self._k:  # a prefill batch of many tokens: no per-token prediction
+            return []
+        nxt = (pos + 1) % self._L
+        scores = self._predict_next()
+        if scores is None:
+            return []
+        out: list[Key] = []
+        chance = self._k / self._E  # an expert drawn at random: a guess no better is not made
+        for j in np.argsort(-scores, kind="stable")[: self._width].tolist():
+            if scores[j] <= chance:
+                break
+            if not self._resident[nxt, j]:
+                self._proposed[(nxt, j)] = float(scores[j])
+                out.append((self._layers[nxt], j))
+        return out
+
+    def check(self, keys: set[Key]) -> None:
+        assert self._shape is not None or not keys, "unshaped moe policy holds keys"
+        if self._shape is None:
+            return
+        mine = {(self._layers[i // self._E], i % self._E) for i in np.flatnonzero(self._resident).tolist()}
+        assert mine == keys, "moe policy's resident mask does not track the table"
+        assert np.all(np.isnan(self._pending[~self._resident])), "pending density on a non-resident expert"
+        assert len(set(self._batch)) == len(self._batch), "a batch holds an expert twice"
+        assert int(self._in_batch.sum()) == len(self._batch), "batch mask out of step"
+        assert np.all(self._visits[:, None] >= self._last), "negative age"
+        assert np.all(self._hazard.used <= self._hazard.exposed + 0.01), "more uses than exposures"
+
+    # ------------------------------------------------------------------ internals
+
+    def _locate(self, key: Key) -> tuple[int, int]:
+        """``(layer position, expert)`` of a key; a dict hit on the hot path."""
+        got = self._where.get(key) if self._shape is not None else None
+        return got if got is not None else self._locate_new(key)
+
+    def _locate_new(self, key: Key) -> tuple[int, int]:
+        if self._shape is None:
+            raise StoreError("policy 'moe' needs the model's shape before its first request: "
+                             "call set_shape(ModelShape(...)) (the store and iosched replay do)")
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] in self._pos):
+            raise StoreError(f"policy 'moe': key {key!r} is not a (layer, expert) of this model "
+                             f"(layers {self._layers[0]}..{self._layers[-1]})")
+        layer, expert = key
+        if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < self._E:
+            raise StoreError(f"policy 'moe': key {key!r}: expert out of range 0..{self._E - 1}")
+        where = (self._pos[layer], expert)
+        self._where[key] = where
+        return where
+
+    def _end_batch(self) -> None:
+        """Learn from the batch in progress (if any) and start none."""
+        pos, picks = self._batch_pos, self._batch
+        if pos < 0 or not picks:
+            self._batch_pos, self._batch = -1, []
+            return
+        routed = self._in_batch[pos].copy()
+        age = self._visits[pos] - self._last[pos]
+        self._hazard.observe(age, self._count[pos], routed)
+        self._visits[pos] += 1
+        self._count[pos, picks] += 1.0
+        self._last[pos, picks] = self._visits[pos]
+        prev = self._prev
+        if (prev is not None and prev[0] == (pos - 1) % self._L
+                and len(prev[1]) <= self._k and len(picks) <= self._k):
+            self._coact.learn(prev[0], prev[1], picks)
+        self._prev = (pos, list(picks))
+        self._in_batch[pos] = False
+        self._pending[pos] = np.nan  # the visit prefetches were made for has passed
+        for j in [j for (p, j) in self._proposed if p == pos]:
+            del self._proposed[(pos, j)]
+        self._batches_since_rebuild += 1
+        if self._batches_since_rebuild >= self._L:  # once per token cycle
+            self._rebuild()
+        self._base = None
+        self._batch_pos, self._batch = pos, []
+
+    def _rebuild(self) -> None:
+        if not math.isfinite(self._horizon):
+            td = self._shape.token_cycle_bytes if self._shape is not None else 0
+            self._horizon = max(1.0, (self._budget or 0) / td) if td else 1.0
+        self._phit, self._extra = self._hazard.density(round(self._horizon))
+        self._batches_since_rebuild = 0
+        self._base = None
+
+    def _cost(self) -> F64:
+        n = float(self._wait_n.sum())
+        if n == 0.0:
+            return np.ones(self._L)
+        mean = float(self._wait_sum.sum()) / n
+        if mean <= 0.0:
+            return np.ones(self._L)
+        out: F64 = (self._wait_sum + mean) / (self._wait_n + 1.0) / mean
+        return out
+
+    def _values(self) -> F64:
+        """Hit density of every expert as if resident, ``[L, E]``: by class, except the next
+        layer's experts, valued by their predicted probability of being routed at its visit
+        (given this token's picks so far), and prefetched experts not yet used, which keep
+        the density they were loaded with."""
+        if self._base is None:
+            L = self._L
+            age = np.minimum(self._visits[:, None] - self._last, AGE_MAX - 1)
+            cb = count_bin(self._count)
+            self._age, self._cb = age, cb
+            d = ((np.arange(L) - self._cursor() - 1) % L + 1).astype(np.float64)
+            self._base = (self._phit[age, cb] * self._cost()[:, None]
+                          / ((d[:, None] + L * self._extra[age, cb]) * self._size))
+            self._next_key = None
+        base = self._base
+        nxt_key = (self._cursor(), len(self._picks()))
+        if self._next_key != nxt_key:
+            self._next_key = nxt_key
+            self._next_value = self._predicted_values()
+        if self._next_value is not None:
+            base = base.copy()
+            base[(self._cursor() + 1) % self._L] = self._next_value
+        out: F64 = np.where(np.isnan(self._pending), base, self._pending)
+        return out
+
+    def _cursor(self) -> int:
+        """Position of the batch in progress, or of the last one when none is."""
+        if self._batch_pos >= 0:
+            return self._batch_pos
+        return self._prev[0] if self._prev is not None else self._L - 1
+
+    def _picks(self) -> list[int]:
+        """This token's picks at the cursor: the batch in progress, or the one just ended."""
+        if self._batch:
+            return self._batch
+        if self._prev is not None and self._prev[0] == self._cursor():
+            return self._prev[1]
+        return []
+
+    def _predict_next(self) -> F64 | None:
+        """Probability of each expert of the next layer being routed at its coming visit,
+        from this token's picks at the cursor; ``None`` for a prefill-like batch or before
+        anything was learned."""
+        picks = self._picks()
+        if not picks or len(picks) > self._k:
+            return None
+        nxt = (self._cursor() + 1) % self._L
+        counts = self._count[nxt] + 1.0  # one pseudo-pick each: an unseen expert is possible
+        return self._coact.predict(self._cursor(), picks, self._k, counts / counts.sum())
+
+    def _predicted_values(self) -> F64 | None:
+        """Density of the next layer's experts: routed at the next visit (one layer step
+        away) with the predicted probability, else as any expert of their class."""
+        pi = self._predict_next()
+        if pi is None:
+            return None
+        nxt = (self._cursor() + 1) % self._L
+        age, cb = self._age[nxt], self._cb[nxt]
+        phit = pi + (1.0 - pi) * self._phit[age, cb]
+        extra = (1.0 - pi) * self._extra[age, cb]
+        out: F64 = phit * self._cost()[nxt] / ((1.0 + self._L * extra) * self._size[nxt])
+        return out

@@ -1,0 +1,246 @@
+"""The MoE-aware default policy (residency/moe.py): cycle-aware eviction, the hazard table,
+co-activation prefetch with its eviction guard, and the store driving it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from iosched import ExpertStore, StoreError
+from residency import POLICIES, ResidencyTable, make_policy
+from residency._cooc import CoActivation
+from residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
+from residency._policy import Key, ModelShape
+from residency.moe import MoEPolicy
+from residency.lru import LRUPolicy
+from tests.conftest import EXPERTS, LAYERS
+from tests.test_store import expected_bytes
+
+UNIT = 1000
+SHAPE = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2,
+                   expert_bytes={0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT})
+TD = SHAPE.token_cycle_bytes  # 8 units
+
+
+def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool = True) -> list[bool]:
+    """Replay tokens (per token, per layer, the experts) through ``table`` as tools/replay.py
+    does: request by request, and after each batch the policy's proposals, speculatively."""
+    hits: list[bool] = []
+    policy = table.policy
+    for token in tokens:
+        for layer, experts in enumerate(token):
+            for e in experts:
+                key = (layer, e)
+                hit = table.get(key) is not None
+                hits.append(hit)
+                policy.on_request(key, UNIT, hit)
+                if not hit:
+                    entry = table.reserve(key, UNIT)
+                    assert entry is not None
+                    table.publish(entry)
+                    if entry.transient:
+                        table.remove(entry)
+            end_batch = getattr(policy, "end_batch", None)
+            if end_batch is not None:
+                for want in end_batch():
+                    if prefetch and table.get(want) is None:
+                        entry = table.reserve(want, UNIT, speculative=True)
+                        if entry is not None:
+                            table.publish(entry)
+            table.check()
+    return hits
+
+
+def moe(width: int | None = None) -> MoEPolicy:
+    return MoEPolicy(SHAPE, prefetch_width=width)
+
+
+def test_default_is_the_moe_policy_and_needs_a_shape() -> None:
+    assert POLICIES["default"] is MoEPolicy and POLICIES["moe"] is MoEPolicy
+    policy = make_policy("default")
+    with pytest.raises(StoreError, match="shape"):
+        policy.on_request((0, 1), UNIT, False)
+
+
+@pytest.mark.parametrize("key", ["A", (9, 1), (0, 8), (0, -1), (0, True), (0, 1, 2), (0, 1.0)])
+def test_a_key_outside_the_shape_is_named(key: object) -> None:
+    with pytest.raises(StoreError, match="moe") as info:
+        moe().on_request(key, UNIT, False)  # type: ignore[arg-type]
+    assert repr(key) in str(info.value)
+
+
+def test_bad_prefetch_width_is_refused() -> None:
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(StoreError, match="prefetch_width"):
+            MoEPolicy(SHAPE, prefetch_width=bad)  # type: ignore[arg-type]
+
+
+def test_below_one_cycle_it_keeps_what_lru_evicts() -> None:
+    """The same two experts per layer every token, budget half a token cycle: LRU evicts
+    exactly the layer that comes next and never hits; the cycle-aware order keeps some."""
+    tokens = [[[0, 1]] * 4 for _ in range(30)]
+    lru_hits = drive(ResidencyTable(TD // 2, LRUPolicy()), tokens)
+    moe_hits = drive(ResidencyTable(TD // 2, moe(width=0)), tokens)
+    assert sum(lru_hits) == 0
+    assert sum(moe_hits[8 * 5:]) > 0  # after a few tokens of learning
+
+
+def test_it_evicts_the_layer_just_served_not_the_next() -> None:
+    """Full table, a miss in layer 3: the victim is not an expert of layer 0 (next) when an
+    equally used one of layer 3 (just served, farthest from its next visit) is there."""
+    policy = moe(width=0)
+    table = ResidencyTable(TD, policy)
+    tokens = [[[0, 1], [0, 1], [0, 1], [0, 1]] for _ in range(6)]
+    drive(table, tokens)
+    assert len(table) == 8
+    policy.on_request((3, 5), UNIT, False)  # layer 3's batch is in progress
+    order = list(policy.victims())
+    assert order[0][0] in (2, 1)  # served before; layer 0 comes next
+    assert all(key[0] != 0 for key in order[:4])
+
+
+def test_coactivation_learns_a_deterministic_pairing() -> None:
+    co = CoActivation(n_layers=2, n_expert=4)
+    for _ in range(5):
+        co.learn(0, [1], [3])
+    pop = np.full(4, 0.25)
+    pi = co.predict(0, [1], 1, pop)
+    assert pi is not None and int(np.argmax(pi)) == 3
+    assert co.predict(0, [2], 1, pop) is None  # nothing learned from expert 2
+    assert co.predict(1, [1], 1, pop) is None
+
+
+def test_prefetch_proposes_the_learned_next_layer_experts_and_they_hit() -> None:
+    """Layer l's picks decide layer l+1's (expert e -> e+2): after learning, the proposals
+    are exactly the next layer's experts, and demand finds them resident."""
+    rng = np.random.default_rng(1)
+    tokens = []
+    for _ in range(60):
+        first = sorted(int(x) for x in rng.choice(2, size=1)) + [int(rng.integers(2, 4))]
+        layers = [first]
+        for _ in range(3):
+            layers.append([(e + 2) % 8 for e in layers[-1]])
+        tokens.append(layers)
+    policy = moe()
+    table = ResidencyTable(TD, policy)
+    hits = drive(table, tokens)
+    late = hits[-8 * 20:]
+    layer0 = [h for i, h in enumerate(late) if (i // 2) % 4 == 0]
+    later = [h for i, h in enumerate(late) if (i // 2) % 4 != 0]
+    assert sum(later) / len(later) > sum(layer0) / len(layer0)
+    assert sum(later) / len(later) > 0.9
+    # and the same sequence without the prefetch hits far less in the later layers
+    plain = drive(ResidencyTable(TD, moe(width=0)), tokens)[-8 * 20:]
+    plain_later = [h for i, h in enumerate(plain) if (i // 2) % 4 != 0]
+    assert sum(plain_later) < sum(later)
+
+
+def test_the_eviction_guard_refuses_a_prefetch_worth_less_than_its_victims() -> None:
+    """Every resident expert is routed every token; a proposal can only displace one of
+    them, so the guard refuses and the table is untouched."""
+    policy = moe()
+    table = ResidencyTable(TD, policy)
+    tokens = [[[0, 1]] * 4 for _ in range(10)]
+    drive(table, tokens, prefetch=False)
+    before = {e.key for e in table.entries()}
+    policy.on_request((0, 0), UNIT, True)
+    policy.on_request((0, 1), UNIT, True)
+    # (1, 5) never followed layer 0's picks: a weak guess about layer 1
+    assert table.reserve((1, 5), UNIT, speculative=True) is None
+    assert {e.key for e in table.entries()} == before
+    assert table.refused_prefetches == 1
+    table.check()
+
+
+def test_a_prefetched_expert_survives_the_misses_of_its_own_batch() -> None:
+    """Layer 0's {0, 1} are always followed by layer 1's {2, 3}.  With those two evicted,
+    the proposals after layer 0 bring them back; then layer 1 misses two other experts in
+    a full table, and neither miss may take a prefetched expert before it is requested."""
+    policy = moe()
+    table = ResidencyTable(TD, policy)
+    drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(6)], prefetch=False)
+    for key in ((1, 2), (1, 3)):
+        entry = table.get(key)
+        assert entry is not None
+        table.evict(entry)
+    for e in (0, 1):
+        policy.on_request((0, e), UNIT, True)
+    proposals = policy.end_batch()
+    assert proposals[:2] == [(1, 2), (1, 3)]
+    for key in proposals[:2]:
+        entry = table.reserve(key, UNIT, speculative=True)
+        assert entry is not None
+        table.publish(entry)
+    for e in (0, 1):
+        policy.on_request((1, e), UNIT, False)
+        got = table.reserve((1, e), UNIT)
+        assert got is not None
+        table.publish(got)
+        assert table.get((1, 2)) is not None and table.get((1, 3)) is not None
+    table.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, AGE_MAX + 40), st.integers(0, 300), st.booleans()),
+                min_size=1, max_size=200))
+def test_hazard_is_monotone_and_bounded(obs: list[tuple[int, int, bool]]) -> None:
+    table = HazardTable()
+    for age, count, routed in obs:
+        table.observe(np.array([age]), np.array([float(count)]), np.array([routed]))
+    lam = table.hazard()
+    assert np.all(lam >= 0) and np.all(lam <= 1.0 + 1e-9)
+    assert np.all(np.diff(lam, axis=0) <= 1e-12)  # never likelier after idling longer
+    assert np.all(np.diff(lam, axis=1) >= -1e-12)  # never less likely after more uses
+    assert np.all(table.used <= table.exposed + 0.01)
+    phit, extra = table.density(7)
+    assert phit.shape == (AGE_MAX, COUNT_BINS) and np.all((phit >= 0) & (phit <= 1))
+    assert np.all(extra >= 0) and np.all(extra <= 6)
+
+
+def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_checkpoint: Path) -> None:
+    import asyncio
+
+    async def main() -> dict[str, object]:
+        one = max(layout.nbytes for layout in (await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)).index.experts.values())
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
+                                          policy="default", experts_per_token=2) as store:
+            for t in range(12):
+                for layer in range(LAYERS):
+                    keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
+                    async with store.acquire_many(keys) as views:
+                        for key, view in zip(keys, views):
+                            assert view.data.tobytes() == expected_bytes(store.index, key)
+                store.token_boundary()
+            await asyncio.sleep(0.05)
+            store.check_invariants()
+            return store.stats()
+
+    stats = asyncio.run(main())
+    assert stats["policy"] == "default" and stats["policy_fallback"] is None
+    assert stats["policy_prefetch_batches"] > 0
+    assert stats["prefetch_issued"] > 0
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
+
+
+def test_store_default_falls_back_to_lru_without_k_and_says_why(st_checkpoint: Path) -> None:
+    import asyncio
+
+    async def main() -> dict[str, object]:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20) as store:
+            async with store.acquire((0, 1)):
+                pass
+            return store.stats()
+
+    stats = asyncio.run(main())
+    assert "lru used instead" in str(stats["policy_fallback"])
+
+
+def test_store_refuses_an_explicit_moe_without_k(st_checkpoint: Path) -> None:
+    import asyncio
+
+    with pytest.raises(StoreError, match="experts_per_token"):
+        asyncio.run(ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="moe"))
