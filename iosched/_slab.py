@@ -49,6 +49,8 @@ class SlabPool:
         self.allocated = 0
         """Slabs created over the pool's life (a reuse rate is 1 - allocated / takes)."""
         self.takes = 0
+        self.gives = 0
+        """Slabs given back; ``takes - gives`` are held by loads and resident experts."""
 
     def take(self, nbytes: int) -> Slab:
         capacity = round_up(max(nbytes, 1), PAGE)
@@ -62,6 +64,7 @@ class SlabPool:
 
     def give(self, slab: Slab, max_idle_bytes: int) -> None:
         """Return a slab; it is kept for reuse only if the idle total stays within ``max_idle_bytes``."""
+        self.gives += 1
         if self.idle_bytes + slab.capacity <= max_idle_bytes:
             self._idle[slab.capacity].append(slab)
             self.idle_bytes += slab.capacity

@@ -25,8 +25,14 @@ def _uvloop_factory() -> LoopFactory:
     return uvloop.new_event_loop
 
 
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, LoopFactory]:
+def loop_factories() -> dict[str, LoopFactory]:
+    """The event loops every asyncio test runs on, by name; uvloop's factory skips the test
+    (with the reason) where uvloop is not installed."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory()}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, LoopFactory]:
+    return loop_factories()
 
 
 @pytest.fixture(params=["pread", "odirect", "mmap", "uring"])
