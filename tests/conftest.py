@@ -35,16 +35,21 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     return loop_factories()
 
 
-@pytest.fixture(params=["pread", "odirect", "mmap", "uring"])
-def backend(request: pytest.FixtureRequest) -> str:
-    """Each read backend in turn; one that cannot run here is skipped with its reason."""
+def require_backend(name: str, needs: str | None = None) -> str:
+    """``name``, or skip the test with the reason the backend ``needs`` (default: ``name``)
+    cannot run here."""
     import backends
 
-    name: str = request.param
-    reason = backends.available()[name]
+    reason = backends.available()[needs or name]
     if reason is not None:
         pytest.skip(f"backend {name} is unavailable here: {reason}")
     return name
+
+
+@pytest.fixture(params=["pread", "odirect", "mmap", "uring"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each read backend in turn; one that cannot run here is skipped with its reason."""
+    return require_backend(request.param)
 
 
 def cached_pages(path: str | os.PathLike[str]) -> int:

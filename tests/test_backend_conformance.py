@@ -1,9 +1,11 @@
-"""One conformance suite, run on every backend (``backend`` fixture in conftest.py).
+"""One conformance suite, run on every backend: conftest's four, and io_uring through the page
+cache (``UringBackend(direct=False)``, which ``backends.create`` does not build).
 
 Each test holds a backend to the contract in ``backends/_base.py`` on real files: byte-exact
 reads at unaligned places (aligned by the caller as the core does), counts at and past the end
-of file, short reads and EINTR, removal and truncation under a running store, and
-cancellation mid-read.  The store-level tests in ``test_store.py`` also run on every backend.
+of file, short reads and EINTR, removal and truncation under a running store, cancellation
+mid-read, the buffered fallback of the O_DIRECT backends, and what ``read_tiered`` says of the
+page cache.  The store-level tests in ``test_store.py`` also run on every backend.
 """
 
 from __future__ import annotations
@@ -21,10 +23,25 @@ import pytest
 import backends
 from backends import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
 from iosched import ExpertStore, ReadError
-from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
+from backends.uring import UringBackend
+from tests.conftest import EXPERTS, LAYERS, drop_page_cache, require_backend, warm_page_cache
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
+
+BUFFERED_URING = "uring-buffered"
+
+
+@pytest.fixture(params=[*backends.NAMES, BUFFERED_URING])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each backend in turn (conftest's, and buffered io_uring); skipped with the reason where
+    it cannot run."""
+    name: str = request.param
+    return require_backend(name, "uring" if name == BUFFERED_URING else None)
+
+
+def create(name: str) -> Backend:
+    return UringBackend(direct=False) if name == BUFFERED_URING else backends.create(name)
 
 SIZE = (1 << 20) + 1234  # not a multiple of any block size: the tail is a partial block
 
@@ -38,7 +55,7 @@ def blob(tmp_path: Path) -> tuple[str, bytes]:
 
 
 def opened(name: str, path: str) -> Backend:
-    be = backends.create(name)
+    be = create(name)
     be.open([path])
     return be
 
@@ -83,6 +100,8 @@ async def test_counts_at_and_past_end_of_file(backend: str, blob: tuple[str, byt
         assert bytes(slab[:got]) == payload[start:]
         at_end = SIZE // align * align + (align if SIZE % align else 0)
         assert await be.read(0, at_end, align, memoryview(mmap.mmap(-1, max(align, 4096)))[:align]) == 0
+        if be.caps & Caps.DIRECT:  # the partial last block came through the buffered descriptor
+            assert be.info()["tail_reads"] >= 1
     finally:
         be.close()
 
@@ -90,7 +109,7 @@ async def test_counts_at_and_past_end_of_file(backend: str, blob: tuple[str, byt
 async def test_short_reads_and_eintr(backend: str, blob: tuple[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     """The real preadv made to return at most one block a call and to fail with EINTR every
     third call: the thread-pool backends must still deliver every byte."""
-    if backend == "uring":
+    if backend.startswith("uring"):
         pytest.skip("uring reads do not go through os.preadv; its short-read resubmission is tested in test_uring.py")
     path, payload = blob
     real = os.preadv
@@ -135,10 +154,10 @@ async def test_cancelled_read_finishes_before_control_returns(backend: str, blob
 
 async def test_io_error_names_the_file(backend: str, tmp_path: Path) -> None:
     with pytest.raises(ReadError, match="nothing-here.bin"):
-        backends.create(backend).open([str(tmp_path / "nothing-here.bin")])
+        create(backend).open([str(tmp_path / "nothing-here.bin")])
     folder = tmp_path / "a-directory"
     folder.mkdir()
-    be = backends.create(backend)
+    be = create(backend)
     with pytest.raises(ReadError, match="a-directory"):  # at open, or at the first read
         be.open([str(folder)])
         try:
@@ -166,7 +185,7 @@ async def test_zero_copy_map_and_unmap(backend: str, blob: tuple[str, bytes]) ->
 
 async def test_removed_file_keeps_serving(backend: str, st_copy: Path) -> None:
     """Unlinking a shard under a running store changes nothing: its descriptors stay valid."""
-    async with await ExpertStore.open(st_copy, budget_bytes=1 << 20, backend=backend) as store:
+    async with await ExpertStore.open(st_copy, budget_bytes=1 << 20, backend=create(backend)) as store:
         truth = {k: expected_bytes(store.index, k) for k in [(0, 1), (LAYERS - 1, EXPERTS - 2)]}
         for path in store.index.files:
             os.unlink(path)
@@ -178,16 +197,19 @@ async def test_removed_file_keeps_serving(backend: str, st_copy: Path) -> None:
 async def test_gguf_multi_extent_experts(backend: str, gguf_checkpoint: Path) -> None:
     """Three extents an expert: packed back to back after aligned reads (O_DIRECT), copied
     into a slab (mmap), or read exactly (buffered)."""
-    async with await ExpertStore.open(gguf_checkpoint, budget_bytes=1 << 20, backend=backend) as store:
+    async with await ExpertStore.open(gguf_checkpoint, budget_bytes=1 << 20, backend=create(backend)) as store:
         for key in [(0, 0), (1, EXPERTS // 2), (LAYERS - 1, EXPERTS - 1)]:
             async with store.acquire(key) as view:
                 assert view.data.tobytes() == expected_bytes(store.index, key)
         store.check_invariants()
 
 
-async def test_odirect_falls_back_when_refused(blob: tuple[str, bytes], monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+async def test_direct_falls_back_when_refused(backend: str, blob: tuple[str, bytes],
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
     """A filesystem that refuses O_DIRECT (EINVAL at open) is read buffered: counted, logged once."""
+    if not create(backend).caps & Caps.DIRECT:
+        pytest.skip(f"{backend} does not read with O_DIRECT")
     path, payload = blob
     real_open = os.open
 
@@ -198,7 +220,7 @@ async def test_odirect_falls_back_when_refused(blob: tuple[str, bytes], monkeypa
 
     monkeypatch.setattr(os, "open", refusing)
     caplog.set_level(logging.WARNING, logger="iosched.backends")
-    be = opened("odirect", path)
+    be = opened(backend, path)
     monkeypatch.undo()
     try:
         assert be.alignment(0) == 1
