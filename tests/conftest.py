@@ -52,6 +52,14 @@ def backend(request: pytest.FixtureRequest) -> str:
     return require_backend(request.param)
 
 
+def random_file(folder: Path, size: int) -> tuple[str, bytes]:
+    """A file of ``size`` random bytes in ``folder``: its path and its bytes."""
+    payload = os.urandom(size)
+    path = folder / "blob.bin"
+    path.write_bytes(payload)
+    return str(path), payload
+
+
 def cached_pages(path: str | os.PathLike[str]) -> int:
     """How many of the file's pages the page cache holds (``mincore`` over a fresh read-only
     mapping: for a file this process owns, it reports the page cache, not only our mappings)."""

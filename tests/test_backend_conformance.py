@@ -24,7 +24,7 @@ import backends
 from backends import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
 from iosched import ExpertStore, ReadError
 from backends.uring import UringBackend
-from tests.conftest import EXPERTS, LAYERS, drop_page_cache, require_backend, warm_page_cache
+from tests.conftest import EXPERTS, LAYERS, drop_page_cache, random_file, require_backend, warm_page_cache
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -48,10 +48,7 @@ SIZE = (1 << 20) + 1234  # not a multiple of any block size: the tail is a parti
 
 @pytest.fixture
 def blob(tmp_path: Path) -> tuple[str, bytes]:
-    payload = os.urandom(SIZE)
-    path = tmp_path / "blob.bin"
-    path.write_bytes(payload)
-    return str(path), payload
+    return random_file(tmp_path, SIZE)
 
 
 def opened(name: str, path: str) -> Backend:

@@ -24,6 +24,7 @@ from backends import Caps
 from backends import uring
 from backends.uring import BufferedUringBackend, UringBackend, probe
 from iosched import BackendUnavailable
+from tests.conftest import random_file
 
 _REASON = probe()
 pytestmark = [
@@ -36,10 +37,7 @@ SIZE = 5 * 4096 + 333  # not a multiple of any block size
 
 @pytest.fixture
 def blob(tmp_path: Path) -> tuple[str, bytes]:
-    payload = os.urandom(SIZE)
-    path = tmp_path / "blob.bin"
-    path.write_bytes(payload)
-    return str(path), payload
+    return random_file(tmp_path, SIZE)
 
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])
