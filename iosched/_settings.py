@@ -32,6 +32,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _width(text: str) -> int | str:
+    if text == "k":
+        return text
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be k or an integer >= 0, got {text!r}")
+    return value
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in options:
@@ -77,6 +86,14 @@ SETTINGS: dict[str, Setting] = {
             "cache_dir", "IOSCHED_CACHE_DIR", "", str,
             "Where `iosched demo` keeps its checkpoint; empty means `$XDG_CACHE_HOME/iosched` "
             "(`~/.cache/iosched`).",
+        ),
+        Setting(
+            "prefetch_width", "IOSCHED_PREFETCH_WIDTH", "k", _width,
+            "Loads the `default`/`moe` policy may start after each `acquire_many`, for the next "
+            "layer's predicted experts: `k` (the experts routed per token and layer) bounds "
+            "prefetch to one token cycle of bytes per token, what a cold cache reads anyway; "
+            "`0` turns prefetch off. `token_budget_bytes` caps it further. Hits against bytes "
+            "moved for other widths: docs/residency.md.",
         ),
         Setting(
             "loop", "IOSCHED_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),

@@ -92,7 +92,10 @@ def _build_policy(name: str, index: CheckpointIndex) -> tuple[Policy, str | None
     """The policy ``name`` names, given the checkpoint's shape when it takes one; and why
     another was used instead (``None`` when none was): ``default`` falls back to ``lru`` when
     the checkpoint does not say k, an explicit structure-aware policy is refused."""
+    width = _settings.get("prefetch_width")
     policy = make_policy(name)
+    if width != "k" and callable(getattr(policy, "end_batch", None)):
+        policy = make_policy(name, prefetch_width=width)
     set_shape = getattr(policy, "set_shape", None)
     if not callable(set_shape):
         return policy, None

@@ -114,6 +114,11 @@ class ResidencyTable:
         if callable(set_budget):
             set_budget(self.main_bytes)
 
+    def set_on_evict(self, on_evict: Callable[[Entry], None] | None) -> Callable[[Entry], None] | None:
+        """Replace the eviction callback (a driver's statistics hook); returns the previous one."""
+        previous, self._on_evict = self._on_evict, on_evict
+        return previous
+
     @property
     def transient_used(self) -> int:
         """Bytes held by transient entries (in the slot or, when it is full, beyond it)."""

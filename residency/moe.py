@@ -210,8 +210,8 @@ class MoEPolicy:
             return []
         out: list[Key] = []
         chance = self._k / self._E  # an expert drawn at random: a guess no better is not made
-        for j in np.argsort(-scores, kind="stable")[: self._width].tolist():
-            if scores[j] <= chance:
+        for j in np.argsort(-scores, kind="stable").tolist():
+            if scores[j] <= chance or len(out) >= self._width:
                 break
             if not self._resident[nxt, j]:
                 self._proposed[(nxt, j)] = float(scores[j])

@@ -26,9 +26,14 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 }
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, **options: object) -> Policy:
+    """A fresh policy by name; ``options`` go to its constructor (``prefetch_width`` for
+    ``moe``/``default``), and one it does not take is a ``StoreError`` naming it."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
-    return factory()
+    try:
+        return factory(**options)
+    except TypeError:
+        raise StoreError(f"policy {name!r} takes no option(s) {', '.join(sorted(options))}") from None

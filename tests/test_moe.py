@@ -120,7 +120,7 @@ def test_prefetch_proposes_the_learned_next_layer_experts_and_they_hit() -> None
     rng = np.random.default_rng(1)
     tokens = []
     for _ in range(60):
-        first = sorted(int(x) for x in rng.choice(2, size=1)) + [int(rng.integers(2, 4))]
+        first = [int(rng.integers(0, 4)), int(rng.integers(4, 8))]  # 16 pairs: unpredictable
         layers = [first]
         for _ in range(3):
             layers.append([(e + 2) % 8 for e in layers[-1]])

@@ -423,3 +423,52 @@ def test_modules_import_first_in_a_fresh_interpreter(statement: str) -> None:
     result = subprocess.run([sys.executable, "-c", statement], cwd=root, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------------- prefetch arms
+
+
+def test_prefetch_width_and_bytes_moved_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    """Width 0 is the eviction-only policy: it moves exactly its misses' bytes; the default
+    width prefetches, reports what it loaded, used and wasted, and moves more bytes."""
+    rows = {}
+    for width in ("0", None):
+        args = ["gemma", "--simulate", "--cycles", "1", "--policy", "default,lru", "--json"]
+        out = run_json(capsys, args + (["--prefetch-width", width] if width else []))
+        check_contract(out)
+        rows[width] = {r["policy"]: r for r in out["results"]}
+    off, on = rows["0"]["default"], rows[None]["default"]
+    assert off["prefetch_issued"] == 0 and off["moved_bytes"] == off["miss_bytes"]
+    assert off["prefetch_width"] == 0 and "prefetch_width" not in rows["0"]["lru"]
+    assert on["prefetch_issued"] > 0 and on["prefetch_used"] > 0
+    assert on["prefetch_used"] + on["prefetch_wasted"] <= on["prefetch_issued"]
+    assert on["moved_bytes"] == on["miss_bytes"] + on["prefetch_bytes"] > off["moved_bytes"] * 0.5
+    assert on["decode_hit"] > off["decode_hit"]
+    lru = rows[None]["lru"]
+    assert lru["prefetch_issued"] == 0 and lru["moved_bytes"] == lru["miss_bytes"]
+
+
+def test_token_budget_caps_prefetched_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--cycles", "2", "--policy", "default",
+                            "--token-budget", "0.1", "--json"])
+    row = out["results"][0]
+    trace = replay.load_trace("gemma")
+    cap = int(0.1 * trace.td_bytes)
+    assert row["token_budget_bytes"] == cap and row["prefetch_refused_budget"] > 0
+    assert row["prefetch_bytes"] <= cap * (trace.n_decode_tokens() + 1)
+
+
+@pytest.mark.parametrize("args, what", [
+    (["--prefetch-width", "-1"], "--prefetch-width"),
+    (["--token-budget", "-0.5"], "--token-budget"),
+    (["--token-budget", "nan"], "--token-budget"),
+])
+def test_bad_prefetch_arguments_are_named(capsys: pytest.CaptureFixture[str], args: list[str],
+                                          what: str) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--json", *args], status=2)
+    assert what in out["error"]
+
+
+def test_token_budget_needs_simulate(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--policy", "lru", "--token-budget", "1", "--json"], status=2)
+    assert "--simulate" in out["error"]

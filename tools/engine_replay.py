@@ -41,7 +41,7 @@ from residency._policy import Policy
 from residency.belady import BeladyPolicy
 
 from . import demo
-from .replay import OFFLINE, Requests, _row, budget_for, build_policy, simulate
+from .replay import OFFLINE, Requests, _row, budget_for, build_policy, drive, simulate, transient_bytes_for
 from .trace import RouteTrace
 
 DEFAULT_COMPUTE_MS = 1.0
@@ -165,58 +165,35 @@ def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_l
             "have different shapes; a policy learns keys (layer, expert) of one model")
 
 
-def _drive(table: ResidencyTable, reqs: Requests) -> tuple[list[bool], int]:
-    """``reqs`` through ``table`` as ``replay.simulate`` drives it; hit flags and oversize."""
-    flags: list[bool] = []
-    oversize = 0
-    on_request = table.policy.on_request
-    for key, nbytes in zip(reqs.keys, reqs.sizes):
-        hit = table.get(key) is not None
-        flags.append(hit)
-        on_request(key, nbytes, hit)
-        if hit:
-            continue
-        try:
-            entry = table.reserve(key, nbytes)
-        except BudgetError:
-            oversize += 1
-            continue
-        if entry is None:
-            raise AssertionError(f"reserve of {key!r} found no room in a simulation")
-        table.publish(entry)
-        if entry.transient:
-            table.remove(entry)
-    table.check()
-    return flags, oversize
-
-
 def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
-                    budget: int) -> dict[str, Any]:
+                    budget: int, prefetch_width: int | None = None) -> dict[str, Any]:
     """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
     if policy_name in OFFLINE:
         raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
                          "learn; --train does not apply to it")
     t0 = time.perf_counter()
-    policy: Policy = build_policy(policy_name, ev, budget)
+    policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
     assert not isinstance(policy, BeladyPolicy)
-    warm = ResidencyTable(budget, policy)
-    _drive(warm, train)
+    warm = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+    drive(warm, train)
     warm.evict_all()  # through the table: the policy hears of every removal
     warm.check()
     if len(warm):
         raise AssertionError("entries left after evict_all in a simulation")
-    table = ResidencyTable(budget, policy)
-    flags, oversize = _drive(table, ev)
-    row = _row(policy_name, cycles, budget, ev, flags, time.perf_counter() - t0)
+    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+    run = drive(table, ev)
+    row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
     row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
-               rejections=table.rejections, evictions=table.evictions, oversize=oversize,
-               resident_bytes=table.used_bytes, resident_experts=len(table))
+               rejections=table.rejections, evictions=table.evictions,
+               resident_bytes=table.used_bytes, resident_experts=len(table),
+               prefetch_refused_guard=table.refused_prefetches, **run.fields())
     return row
 
 
 def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
                cycles: Sequence[float], policies: Sequence[str],
-               on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+               on_run: Callable[[str], None] | None = None, *,
+               prefetch_width: int | None = None) -> dict[str, Any]:
     """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD)."""
     for name in policies:
         if name in OFFLINE:
@@ -230,10 +207,10 @@ def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: 
             budget = budget_for(ev, c)
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles, seeded")
-            results.append(simulate_seeded(treqs, ereqs, name, c, budget))
+            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width))
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles, cold")
-            row = simulate(ereqs, name, c, budget)
+            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width)
             row["arm"] = "cold"
             results.append(row)
     return {

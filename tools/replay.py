@@ -53,12 +53,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from iosched import StoreError
+from iosched import StoreError, _settings
 from iosched._errors import BudgetError
 from residency import POLICIES, Entry, ResidencyTable, make_policy
 from residency._policy import Key, ModelShape, Policy
 from residency.belady import NEVER, BeladyPolicy, next_uses
 from residency.lfu import LFUPolicy
+from residency.moe import MoEPolicy
 
 from ._progress import run_progress
 from .trace import (
@@ -71,7 +72,7 @@ from .trace import (
 )
 
 DEFAULT_CYCLES = "0.5,1,2,4,8"
-DEFAULT_POLICIES = "lru,lfu,belady"
+DEFAULT_POLICIES = "lru,lfu,default,belady"
 
 OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
 """Offline policies this tool builds from the trace, and whether they bypass (see
@@ -194,13 +195,23 @@ def budget_for(trace: RouteTrace, cycles: float) -> int:
 # one run
 
 
-def build_policy(name: str, reqs: Requests, budget: int) -> Policy:
+def takes_prefetch_width(name: str) -> bool:
+    """Whether ``--prefetch-width`` applies to the policy named ``name`` (the prefetching ones)."""
+    factory = POLICIES.get(name)
+    return factory is MoEPolicy
+
+
+def build_policy(name: str, reqs: Requests, budget: int, prefetch_width: int | None = None) -> Policy:
     """A fresh policy: from the registry, or an offline one built from the sequence; a
-    policy that takes the model's shape gets it (as the store gives it its checkpoint's)."""
+    policy that takes the model's shape gets it (as the store gives it its checkpoint's).
+    ``prefetch_width`` applies to the prefetching policies and is ignored by the others."""
     if name in OFFLINE:
         keys: list[Key] = list(reqs.keys)
         return BeladyPolicy(keys, bypass_budget=budget if OFFLINE[name] else None)
-    policy = VARIANTS[name]() if name in VARIANTS else make_policy(name)
+    if takes_prefetch_width(name):
+        policy: Policy = make_policy(name, prefetch_width=prefetch_width)
+    else:
+        policy = VARIANTS[name]() if name in VARIANTS else make_policy(name)
     set_shape = getattr(policy, "set_shape", None)
     if callable(set_shape):
         set_shape(reqs.shape)
@@ -253,89 +264,126 @@ def _row(policy: str, cycles: float, budget: int, reqs: Requests, hit_flags: lis
     }
 
 
-def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
-             check_every: int = 0, token_budget_bytes: int | None = None) -> dict[str, Any]:
-    """Replay ``reqs`` through ``ResidencyTable(budget, policy)`` as the store drives it.
+@dataclass
+class Drive:
+    """What one pass of a request sequence through a table did (the driver's statistics)."""
 
-    After the last request of each batch, a policy with ``end_batch`` is told the batch is
-    complete and names the experts it wants loaded ahead; each one not in the table is
-    reserved speculatively (the policy's eviction guard may refuse) and published at once
-    (virtual time: a load takes no time, and an expert that is loading counts as a hit
-    anyway).  ``token_budget_bytes`` caps the bytes prefetched per token, as the store's
-    setting of that name does; ``None``: no cap beyond the policy's own.
+    flags: list[bool]
+    """Hit or not, per request."""
+    oversize: int = 0
+    miss_bytes: int = 0
+    prefetch_issued: int = 0
+    prefetch_bytes: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_refused_budget: int = 0
+
+    def fields(self) -> dict[str, int]:
+        return {"oversize": self.oversize, "miss_bytes": self.miss_bytes,
+                "prefetch_issued": self.prefetch_issued, "prefetch_bytes": self.prefetch_bytes,
+                "prefetch_used": self.prefetch_used, "prefetch_wasted": self.prefetch_wasted,
+                "prefetch_refused_budget": self.prefetch_refused_budget,
+                "moved_bytes": self.miss_bytes + self.prefetch_bytes}
+
+
+def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | None = None,
+          check_every: int = 0) -> Drive:
+    """Replay ``reqs`` through ``table`` as the store drives it (the one replay driver).
+
+    Per request: a hit when resident or loading; on a miss a reservation (an expert larger
+    than the whole budget is a miss that caches nothing), published at once (virtual time),
+    dropped at once when not admitted.  After the last request of each batch a policy with
+    ``end_batch`` is told the batch is complete and names the experts it wants loaded ahead;
+    each one not in the table is reserved speculatively (the policy's eviction guard may
+    refuse) and published at once: a load takes no time here, and an expert that is loading
+    counts as a hit anyway.  ``token_budget_bytes`` caps the bytes prefetched per token, as
+    the store's setting of that name does (``None``: no cap beyond the policy's own).
     ``check_every``: also re-check the table's invariants every that many requests (tests).
     """
-    t0 = time.perf_counter()
-    policy = build_policy(policy_name, reqs, budget)
+    out = Drive(flags=[])
     unused: set[Key] = set()
-    wasted = [0]
 
     def on_evict(entry: Entry) -> None:
         if entry.key in unused:
             unused.discard(entry.key)
-            wasted[0] += 1
+            out.prefetch_wasted += 1
 
-    table = ResidencyTable(budget, policy, on_evict,
-                           transient_bytes=transient_bytes_for(policy, reqs, budget))
+    previous = table.set_on_evict(on_evict)
+    policy = table.policy
     end_batch: Callable[[], list[Key]] | None = getattr(policy, "end_batch", None)
     first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
-    flags: list[bool] = []
-    oversize = miss_bytes = prefetched = prefetched_bytes = used = refused = 0
     token_prefetch = 0
+    flags = out.flags
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
-    on_request = table.policy.on_request
-    for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
-        if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
-            token_prefetch = 0  # a new token (or the prefill) starts at the first layer
-        hit = get(key) is not None
-        flags.append(hit)
-        on_request(key, nbytes, hit)
-        if hit:
-            if key in unused:
-                unused.discard(key)
-                used += 1
-        else:
-            miss_bytes += nbytes
-            try:
-                entry = reserve(key, nbytes)
-            except BudgetError:
-                oversize += 1  # larger than the whole budget: a miss that caches nothing
+    on_request = policy.on_request
+    try:
+        for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
+            if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
+                token_prefetch = 0  # a new token (or the prefill) starts at the first layer
+            hit = get(key) is not None
+            flags.append(hit)
+            on_request(key, nbytes, hit)
+            if hit:
+                if key in unused:
+                    unused.discard(key)
+                    out.prefetch_used += 1
             else:
-                if entry is None:
-                    raise AssertionError(f"reserve of {key!r} found no room, but nothing is "
-                                         "leased or loading in a simulation")
-                publish(entry)
-                if entry.transient:
-                    remove(entry)
-        if end_batch is not None and reqs.batch_end[i]:
-            for want in end_batch():
-                size = reqs.key_bytes[want]  # type: ignore[index]
-                if get(want) is not None:
-                    continue
-                if token_budget_bytes is not None and token_prefetch + size > token_budget_bytes:
-                    refused += 1
-                    continue
-                e = reserve(want, size, speculative=True)
-                if e is None:
-                    continue
-                publish(e)
-                unused.add(want)
-                prefetched += 1
-                prefetched_bytes += size
-                token_prefetch += size
-        if check_every and (i + 1) % check_every == 0:
-            table.check()
+                out.miss_bytes += nbytes
+                try:
+                    entry = reserve(key, nbytes)
+                except BudgetError:
+                    out.oversize += 1
+                else:
+                    if entry is None:
+                        raise AssertionError(f"reserve of {key!r} found no room, but nothing is "
+                                             "leased or loading in a simulation")
+                    publish(entry)
+                    if entry.transient:
+                        remove(entry)
+            if end_batch is not None and reqs.batch_end[i]:
+                for want in end_batch():
+                    size = reqs.key_bytes[want]  # type: ignore[index]
+                    if get(want) is not None:
+                        continue
+                    if token_budget_bytes is not None and token_prefetch + size > token_budget_bytes:
+                        out.prefetch_refused_budget += 1
+                        continue
+                    e = reserve(want, size, speculative=True)
+                    if e is None:
+                        continue
+                    publish(e)
+                    unused.add(want)
+                    out.prefetch_issued += 1
+                    out.prefetch_bytes += size
+                    token_prefetch += size
+            if check_every and (i + 1) % check_every == 0:
+                table.check()
+    finally:
+        table.set_on_evict(previous)
     table.check()
+    return out
+
+
+def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
+             check_every: int = 0, token_budget_bytes: int | None = None,
+             prefetch_width: int | None = None) -> dict[str, Any]:
+    """Replay ``reqs`` through ``ResidencyTable(budget, policy)`` with :func:`drive`; the
+    row of the contract's ``results``, with the driver's statistics."""
+    t0 = time.perf_counter()
+    policy = build_policy(policy_name, reqs, budget, prefetch_width)
+    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, reqs, budget))
+    run = drive(table, reqs, token_budget_bytes=token_budget_bytes, check_every=check_every)
     if isinstance(policy, BeladyPolicy) and not policy.finished:
         raise AssertionError(f"Belady saw {policy.cursor} of {len(reqs)} requests")
-    row = _row(policy_name, cycles, budget, reqs, flags, time.perf_counter() - t0)
+    row = _row(policy_name, cycles, budget, reqs, run.flags, time.perf_counter() - t0)
     row.update(admissions=table.admissions, rejections=table.rejections,
-               evictions=table.evictions, oversize=oversize,
-               resident_bytes=table.used_bytes, resident_experts=len(table),
-               miss_bytes=miss_bytes, prefetch_issued=prefetched,
-               prefetch_bytes=prefetched_bytes, prefetch_used=used, prefetch_wasted=wasted[0],
-               prefetch_refused_guard=table.refused_prefetches,
-               prefetch_refused_budget=refused, moved_bytes=miss_bytes + prefetched_bytes)
+               evictions=table.evictions, resident_bytes=table.used_bytes,
+               resident_experts=len(table), prefetch_refused_guard=table.refused_prefetches,
+               **run.fields())
+    if prefetch_width is not None and takes_prefetch_width(policy_name):
+        row["prefetch_width"] = prefetch_width
+    if token_budget_bytes is not None:
+        row["token_budget_bytes"] = token_budget_bytes
     return row
 
 
@@ -402,6 +450,8 @@ def simulate_libcachesim(reqs: Requests, algo: str, cycles: float, budget: int,
     row = _row(f"lcs:{algo}", cycles, budget, reqs, flags, time.perf_counter() - t0)
     row["resident_bytes"] = int(cache.get_occupied_byte())
     row["resident_experts"] = int(cache.get_n_obj())
+    row["moved_bytes"] = row["miss_bytes"] = sum(
+        size for size, hit in zip(reqs.sizes, flags) if not hit)
     return row
 
 
@@ -411,11 +461,16 @@ def simulate_libcachesim(reqs: Requests, algo: str, cycles: float, budget: int,
 
 def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Sequence[str],
            compare_libcachesim: bool = False,
-           on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+           on_run: Callable[[str], None] | None = None, *,
+           prefetch_width: int | None = None,
+           token_budget_cycles: float | None = None) -> dict[str, Any]:
     """Every policy (then every libCacheSim algorithm) at every budget; the contract's object.
 
-    ``on_run(label)`` is called before each run (progress bars).
+    ``on_run(label)`` is called before each run (progress bars).  ``prefetch_width`` goes to
+    the prefetching policies; ``token_budget_cycles`` caps prefetched bytes per token, in
+    token cycles.
     """
+    token_budget = None if token_budget_cycles is None else int(token_budget_cycles * trace.td_bytes)
     reqs = Requests.of(trace)
     lcs_version: str | None = None
     if compare_libcachesim:
@@ -425,7 +480,8 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
         for c in cycles:
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles")
-            results.append(simulate(reqs, name, c, budget_for(trace, c)))
+            results.append(simulate(reqs, name, c, budget_for(trace, c),
+                                    token_budget_bytes=token_budget, prefetch_width=prefetch_width))
     if compare_libcachesim:
         nxt = next_uses(list(reqs.ids))
         for algo in LIBCACHESIM_ALGOS:
@@ -476,6 +532,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
                         + " (rows lcs:NAME)")
+    p.add_argument("--prefetch-width", type=int, default=None, metavar="N",
+                   help="experts the moe/default policy may propose per batch (default: k, one "
+                        "batch's worth; 0: no prefetch, eviction only)")
+    p.add_argument("--token-budget", type=float, default=None, metavar="CYCLES",
+                   help="with --simulate: cap on the bytes prefetched per token, in token cycles "
+                        "(default: none beyond the policy's own width)")
     p.add_argument("--train", metavar="A", default=None,
                    help="with --simulate: seed each policy with trace A (a file or bundled name) "
                         "before measuring it on TRACE; seeded and cold arms are reported apart")
@@ -514,7 +576,8 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     train, ev = load_trace(args.train), load_trace(args.trace)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
-        out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run)
+        out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
+                                       prefetch_width=args.prefetch_width)
     if not args.json:
         _print_table(engine_replay.train_eval_table(out))
     return out
@@ -531,7 +594,9 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
     trace = load_trace(args.trace)
-    with run_progress("replay", len(policies) * len(cycles)) as on_run:
+    width = (contextlib.nullcontext() if args.prefetch_width is None
+             else _settings.override(prefetch_width=args.prefetch_width))
+    with run_progress("replay", len(policies) * len(cycles)) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, on_run=on_run))
@@ -540,8 +605,20 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _check_prefetch_args(args: argparse.Namespace) -> None:
+    if args.prefetch_width is not None and args.prefetch_width < 0:
+        raise StoreError(f"--prefetch-width must be 0 or more, got {args.prefetch_width}")
+    tb = args.token_budget
+    if tb is not None and not (math.isfinite(tb) and tb >= 0):
+        raise StoreError(f"--token-budget must be a non-negative number of token cycles, got {tb}")
+    if tb is not None and not args.simulate:
+        raise StoreError("--token-budget applies to --simulate (the real-I/O replay has the store's "
+                         "own token_budget_bytes)")
+
+
 def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     """The ``replay`` subcommand; returns the JSON object."""
+    _check_prefetch_args(args)
     if getattr(args, "train", None) is not None:
         return _cmd_train_eval(args)
     if getattr(args, "eval", None) is not None:
@@ -556,14 +633,22 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
 
     runs = (len(policies) + (len(LIBCACHESIM_ALGOS) if args.compare_libcachesim else 0)) * len(cycles)
     with run_progress("replay", runs) as on_run:
-        out = replay(trace, args.trace, cycles, policies, args.compare_libcachesim, on_run)
+        out = replay(trace, args.trace, cycles, policies, args.compare_libcachesim, on_run,
+                     prefetch_width=args.prefetch_width, token_budget_cycles=args.token_budget)
     if not args.json:
         _print_table(result_table(out))
     return out
 
 
+def _cell(r: dict[str, Any]) -> str:
+    cell = f"{100 * r['decode_hit']:.1f} / {100 * r['byte_hit']:.1f}"
+    if "moved_bytes" in r:
+        cell += f" · {r['moved_bytes'] / 1e9:.0f} GB"
+    return cell
+
+
 def result_table(out: dict[str, Any]) -> Any:
-    """A rich table: one row per policy, ``decode hit % / byte hit %`` per budget."""
+    """A rich table: one row per policy, ``decode hit % / byte hit % · GB moved`` per budget."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -574,14 +659,13 @@ def result_table(out: dict[str, Any]) -> Any:
         if r["cycles"] not in cycles:
             cycles.append(r["cycles"])
         rows.setdefault(r["policy"], {})[r["cycles"]] = r
-    table = Table(title=f"iosched replay {out['trace']}: decode hit % / byte hit % per budget "
-                        "(token cycles)")
+    table = Table(title=f"iosched replay {out['trace']}: decode hit % / byte hit % · GB moved "
+                        "(misses + prefetches) per budget (token cycles)")
     table.add_column("policy", no_wrap=True)
     for c in cycles:
         table.add_column(f"{c:g} TD", justify="right")
     for name, by_c in rows.items():
-        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
-                 if c in by_c else "-" for c in cycles]
+        cells = [_cell(by_c[c]) if c in by_c else "-" for c in cycles]
         table.add_row(name, *cells)
     note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
             f"{out['requests']} requests ({out['decode_requests']} decode), "
