@@ -76,9 +76,10 @@ class HazardTable:
     def observe(self, age: I64, count: F64, routed: npt.NDArray[np.bool_]) -> None:
         """One visit of a layer: ``age``/``count`` of each of its experts before the visit,
         ``routed`` whether the visit routed it."""
-        ab, cb = age_bin(age), count_bin(count)
-        np.add.at(self.exposed, (ab, cb), 1.0)
-        np.add.at(self.used, (ab[routed], cb[routed]), 1.0)
+        cell = age_bin(age) * COUNT_BINS + count_bin(count)
+        size = AGE_BINS * COUNT_BINS
+        self.exposed += np.bincount(cell, minlength=size).reshape(AGE_BINS, COUNT_BINS)
+        self.used += np.bincount(cell[routed], minlength=size).reshape(AGE_BINS, COUNT_BINS)
 
     def hazard(self) -> F64:
         """``used / exposed``, made non-increasing in age for each count bin (a running

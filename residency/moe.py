@@ -48,6 +48,8 @@ distinct experts; ages are never negative; the hazard table holds no more uses t
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -121,11 +123,20 @@ class MoEPolicy:
         self._prev: tuple[int, list[int]] | None = None
         self._proposed: dict[tuple[int, int], float] = {}
         self._horizon = float("nan")
-        self._base: F64 | None = None
+        self._num = np.zeros((L, E))
+        self._ext = np.zeros((L, E))
+        self._cost = np.ones(L)
+        self._arange_L = np.arange(L)
         self._next_key: tuple[int, int] | None = None
+        self._version = 0
+        self._order_pairs: list[tuple[float, int]] = []
+        self._small_pairs: list[tuple[float, int]] = []
+        self._small_key: tuple[int, tuple[int, int] | None, int] | None = None
+        self._small_epoch = 0
+        self._order_version = -1
+        self._in_order = np.zeros(L * E, dtype=bool)
+        self._appended: list[int] = []
         self._next_value: F64 | None = None
-        self._age = np.zeros((L, E), dtype=np.int64)
-        self._cb = np.zeros((L, E), dtype=np.int64)
         self._batches_since_rebuild = 0
         self._rebuild()
 
@@ -155,16 +166,24 @@ class MoEPolicy:
         the horizon instead of densities lost 1-3 points at 0.5-2 TD (docs/residency.md)."""
         if not victims:
             return True
-        values = self._values()
-        worst = max(values[self._locate(v)] for v in victims)
-        return bool(values[self._locate(key)] > worst)
+        self._refresh()
+        worst = max(self._value(*self._locate(v)) for v in victims)
+        return self._value(*self._locate(key)) > worst
 
     def on_insert(self, key: Key, nbytes: int) -> None:
         pos, e = self._locate(key)
         self._resident[pos, e] = True
         self._size[pos, e] = nbytes
         if (pos, e) in self._proposed:  # a speculative load: guarded until its visit passes
-            self._pending[pos, e] = self._values()[pos, e]
+            self._refresh()
+            self._pending[pos, e] = self._value(pos, e)
+        flat = pos * self._E + e
+        if pos == (self._cursor() + 1) % self._L:
+            self._small_epoch += 1
+        if self._in_order[flat]:
+            self._version += 1  # back in after an eviction: its old rank is stale
+        else:
+            self._appended.append(flat)  # this batch's miss, or a prefetch (merged from the small list)
 
     def on_remove(self, key: Key) -> None:
         pos, e = self._locate(key)
@@ -174,26 +193,84 @@ class MoEPolicy:
         self._horizon += (min(age, AGE_MAX) - self._horizon) / HORIZON_MEMORY
 
     def victims(self) -> Iterator[Key]:
-        idx = np.flatnonzero(self._resident)
-        if not idx.size:
-            return
-        vals = self._values().ravel()[idx]
-        last = self._in_batch.ravel()[idx]
-        if 0 < len(self._batch) < self._k:
-            # A decode batch in progress: its layer's other experts may be among the picks
-            # still to come, one step away rather than a whole cycle; they go last too.
-            last = last | (idx // self._E == self._batch_pos)
-        vals = np.where(last, np.inf, vals)  # the batch in progress last
-        E, layers = self._E, self._layers
-        for i in idx[np.argsort(vals, kind="stable")].tolist():
+        """Resident experts, lowest density first; the batch in progress (and, while a decode
+        batch is filling, the rest of its layer) last.
+
+        Cost: the order of every layer but the next is sorted once per batch (densities
+        change when the cursor moves) and kept; the next layer's few resident experts, whose
+        densities change with each pick, are sorted on each call and merged in.  Experts
+        evicted since are skipped; experts inserted since (this batch's misses, prefetches
+        of the next layer) come from the small list or at the end.
+        """
+        self._refresh()
+        if self._order_version != self._version:
+            self._sort_victims()
+        E, L, layers = self._E, self._L, self._layers
+        resident = self._resident.ravel()
+        small = self._next_layer_order()
+        filling = 0 < len(self._batch) < self._k
+        in_batch = self._in_batch.ravel()
+        batch_pos = self._batch_pos
+        seen: set[int] = set()
+        tail: list[int] = []
+        ranked = itertools.chain((i for _, i in heapq.merge(self._order_pairs, small)),
+                                 self._appended)
+        for i in ranked:
+            if i in seen or not resident[i]:
+                continue
+            seen.add(i)
+            if in_batch[i] or (filling and i // E == batch_pos):
+                tail.append(i)  # the batch in progress (and, while it fills, its layer): last
+                continue
             yield (layers[i // E], i % E)
+        for i in tail:
+            if resident[i]:
+                yield (layers[i // E], i % E)
+
+    def _next_layer_order(self) -> list[tuple[float, int]]:
+        """The next layer's resident experts as (density, flat index), ascending; cached
+        until a pick changes the prediction or an expert of that layer comes in."""
+        key = (self._order_version, self._next_key, self._small_epoch)
+        if key != self._small_key:
+            E = self._E
+            nxt = (self._cursor() + 1) % self._L
+            if self._next_value is not None:
+                vals = self._next_value
+            else:
+                vals = self._num[nxt] * self._cost[nxt] / ((1.0 + self._ext[nxt]) * self._size[nxt])
+            pend = self._pending[nxt]
+            vals = np.where(np.isnan(pend), vals, pend)
+            idx = np.flatnonzero(self._resident[nxt])
+            order = idx[np.argsort(vals[idx], kind="stable")]
+            self._small_pairs = list(zip(vals[order].tolist(), (order + nxt * E).tolist()))
+            self._small_key = key
+        return self._small_pairs
+
+    def _sort_victims(self) -> None:
+        """Sort the resident experts of every layer but the next by density (see victims)."""
+        E = self._E
+        nxt = (self._cursor() + 1) % self._L
+        idx = np.flatnonzero(self._resident)
+        rows = idx // E
+        idx = idx[rows != nxt]
+        rows = idx // E
+        vals = (self._num.ravel()[idx] * self._cost[rows]
+                / ((self._distance()[rows] + self._ext.ravel()[idx]) * self._size.ravel()[idx]))
+        pend = self._pending.ravel()[idx]
+        vals = np.where(np.isnan(pend), vals, pend)
+        order = np.argsort(vals, kind="stable")
+        self._order_pairs = list(zip(vals[order].tolist(), idx[order].tolist()))
+        self._in_order[:] = False
+        self._in_order[idx] = True
+        self._appended = []
+        self._order_version = self._version
 
     def on_wait(self, key: Key, seconds: float) -> None:
         pos, _ = self._locate(key)
         if math.isfinite(seconds) and seconds >= 0:
             self._wait_sum[pos] += seconds
             self._wait_n[pos] += 1
-            self._base = None
+            self._set_cost()
 
     def end_batch(self) -> list[Key]:
         """The batch of requests just made (one layer of one token) is complete: learn from
@@ -275,51 +352,65 @@ class MoEPolicy:
         self._batches_since_rebuild += 1
         if self._batches_since_rebuild >= self._L:  # once per token cycle
             self._rebuild()
-        self._base = None
+        else:
+            self._update_rows(pos)  # only this layer's ages and counts changed
         self._batch_pos, self._batch = pos, []
+        self._version += 1  # the cursor moved: every layer's distance changed
 
     def _rebuild(self) -> None:
+        """New density tables from the hazard table (once per token cycle), and every
+        expert's class terms with them."""
         if not math.isfinite(self._horizon):
             td = self._shape.token_cycle_bytes if self._shape is not None else 0
             self._horizon = max(1.0, (self._budget or 0) / td) if td else 1.0
         self._phit, self._extra = self._hazard.density(round(self._horizon))
         self._batches_since_rebuild = 0
-        self._base = None
+        self._update_rows(slice(None))
 
-    def _cost(self) -> F64:
+    def _update_rows(self, rows: int | slice) -> None:
+        """Class terms of the experts of ``rows``: ``_num`` = P(hit within the horizon),
+        ``_ext`` = L x expected idle visits; the density divides them by distance and size."""
+        age = np.minimum(self._visits[rows, None] - self._last[rows], AGE_MAX - 1)
+        cb = count_bin(self._count[rows])
+        self._num[rows] = self._phit[age, cb]
+        self._ext[rows] = self._L * self._extra[age, cb]
+        self._version += 1
+
+    def _set_cost(self) -> None:
+        """Per-layer miss cost relative to the mean felt wait (1 everywhere until measured);
+        a layer with few measurements is pulled toward the mean by one pseudo-miss."""
         n = float(self._wait_n.sum())
-        if n == 0.0:
-            return np.ones(self._L)
-        mean = float(self._wait_sum.sum()) / n
-        if mean <= 0.0:
-            return np.ones(self._L)
-        out: F64 = (self._wait_sum + mean) / (self._wait_n + 1.0) / mean
+        mean = float(self._wait_sum.sum()) / n if n else 0.0
+        if mean > 0.0:
+            self._cost = (self._wait_sum + mean) / (self._wait_n + 1.0) / mean
+        self._version += 1
+
+    def _distance(self) -> F64:
+        """Layer steps from the cursor to each layer's next visit: 1 for the next layer, L for
+        the cursor's own."""
+        out: F64 = ((self._arange_L - self._cursor() - 1) % self._L + 1).astype(np.float64)
         return out
 
-    def _values(self) -> F64:
-        """Hit density of every expert as if resident, ``[L, E]``: by class, except the next
-        layer's experts, valued by their predicted probability of being routed at its visit
-        (given this token's picks so far), and prefetched experts not yet used, which keep
-        the density they were loaded with."""
-        if self._base is None:
-            L = self._L
-            age = np.minimum(self._visits[:, None] - self._last, AGE_MAX - 1)
-            cb = count_bin(self._count)
-            self._age, self._cb = age, cb
-            d = ((np.arange(L) - self._cursor() - 1) % L + 1).astype(np.float64)
-            self._base = (self._phit[age, cb] * self._cost()[:, None]
-                          / ((d[:, None] + L * self._extra[age, cb]) * self._size))
-            self._next_key = None
-        base = self._base
+    def _refresh(self) -> None:
+        """Bring the next layer's densities up to date: by its predicted probability of
+        being routed at its coming visit, given this token's picks so far (once per pick)."""
         nxt_key = (self._cursor(), len(self._picks()))
         if self._next_key != nxt_key:
             self._next_key = nxt_key
             self._next_value = self._predicted_values()
-        if self._next_value is not None:
-            base = base.copy()
-            base[(self._cursor() + 1) % self._L] = self._next_value
-        out: F64 = np.where(np.isnan(self._pending), base, self._pending)
-        return out
+
+    def _value(self, pos: int, e: int) -> float:
+        """Density of one expert (after :meth:`_refresh`): a prefetched one not yet used keeps
+        the density it was loaded with; the next layer's by prediction; else by class."""
+        pending = float(self._pending[pos, e])
+        if pending == pending:
+            return pending
+        cur = self._cursor()
+        if self._next_value is not None and pos == (cur + 1) % self._L:
+            return float(self._next_value[e])
+        d = (pos - cur - 1) % self._L + 1
+        return float(self._num[pos, e] * self._cost[pos]
+                     / ((d + self._ext[pos, e]) * self._size[pos, e]))
 
     def _cursor(self) -> int:
         """Position of the batch in progress, or of the last one when none is."""
@@ -353,8 +444,6 @@ class MoEPolicy:
         if pi is None:
             return None
         nxt = (self._cursor() + 1) % self._L
-        age, cb = self._age[nxt], self._cb[nxt]
-        phit = pi + (1.0 - pi) * self._phit[age, cb]
-        extra = (1.0 - pi) * self._extra[age, cb]
-        out: F64 = phit * self._cost()[nxt] / ((1.0 + self._L * extra) * self._size[nxt])
+        phit = pi + (1.0 - pi) * self._num[nxt]
+        out: F64 = phit * self._cost[nxt] / ((1.0 + (1.0 - pi) * self._ext[nxt]) * self._size[nxt])
         return out
