@@ -396,7 +396,14 @@ class ExpertStore:
             wanted = self._table.policy.end_batch()  # type: ignore[attr-defined]
             if wanted:
                 self._policy_prefetches += 1
-                self.prefetch(wanted)
+                # The reservations (the guard weighs each against its victims) run at the
+                # engine's next await, not before it gets this layer's views: they cost tens
+                # of microseconds each, and the engine should be computing meanwhile.
+                asyncio.get_running_loop().call_soon(self._prefetch_proposed, wanted)
+
+    def _prefetch_proposed(self, keys: list[ExpertKey]) -> None:
+        if not self._closed:  # a shape's key the checkpoint lacks is no error here: skip it
+            self.prefetch([key for key in keys if key in self._layouts])
 
     def hint(self, keys: Iterable[ExpertKey]) -> int:
         """Ask the kernel to start reading experts into the page cache (``posix_fadvise``

@@ -178,8 +178,6 @@ class MoEPolicy:
             self._refresh()
             self._pending[pos, e] = self._value(pos, e)
         flat = pos * self._E + e
-        if pos == (self._cursor() + 1) % self._L:
-            self._small_epoch += 1
         if self._in_order[flat]:
             self._version += 1  # back in after an eviction: its old rank is stale
         else:
