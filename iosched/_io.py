@@ -218,13 +218,13 @@ class ReadPath:
         rep = self.per_replica[self._root_of[replica.file]]
         rep.pending += 1
         try:
-            await queue.acquire(ticket)
+            speculative = await queue.acquire(ticket)
             dev.in_flight += 1
             try:
                 yield
             finally:
                 dev.in_flight -= 1
-                queue.release()
+                queue.release(speculative)
         finally:
             rep.pending -= 1
 
@@ -263,6 +263,11 @@ class ReadPath:
         self.devices[replica.device].errors += 1
         self.per_replica[self._root_of[replica.file]].errors += 1
         self.router.failed(replica)
+
+    def drive_usage(self) -> dict[str, tuple[float, int]]:
+        """Per drive: seconds with a read in flight, and bytes read, since the store opened."""
+        return {name: (queue.busy_seconds(), self.devices[name].bytes)
+                for name, queue in self.queues.items()}
 
     def stats(self) -> dict[str, object]:
         return {

@@ -46,6 +46,7 @@ from . import _sizing
 from ._checkpoint import load_index
 from ._io import ReadPath
 from ._mirrors import find_replicas
+from ._pacing import IdlePacer
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from ._lease import Lease, LeaseGroup
@@ -159,6 +160,8 @@ class ExpertStore:
         self._room_waiters: list[asyncio.Future[None]] = []
         self._tickets: dict[ExpertKey, Ticket] = {}
         """The priority of each load in flight (a demand join promotes a prefetch's)."""
+        self._pacer = (IdlePacer(io.drive_usage)
+                       if self._prefetching and _settings.get("prefetch_pacing") == "idle" else None)
         self._policy_prefetches = 0
         """Batches after which the policy proposed prefetches."""
         self._token_budget = token_budget_bytes
@@ -393,6 +396,8 @@ class ExpertStore:
         """An ``acquire_many`` holds all its leases: the engine computes on this layer now, so
         this is when the policy's predicted experts of the next layer are worth loading."""
         if self._prefetching and not self._closed:
+            if self._pacer is not None:
+                self._pacer.interval_done()
             wanted = self._table.policy.end_batch()  # type: ignore[attr-defined]
             if wanted:
                 self._policy_prefetches += 1
@@ -402,8 +407,19 @@ class ExpertStore:
                 asyncio.get_running_loop().call_soon(self._prefetch_proposed, wanted)
 
     def _prefetch_proposed(self, keys: list[ExpertKey]) -> None:
-        if not self._closed:  # a shape's key the checkpoint lacks is no error here: skip it
-            self.prefetch([key for key in keys if key in self._layouts])
+        if self._closed:
+            return
+        known = [key for key in keys if key in self._layouts]  # a shape's key the checkpoint lacks
+        pacer = self._pacer
+        if pacer is not None:  # only what the drives' idle time can absorb (iosched/_pacing.py)
+            paced = []
+            for key in known:
+                entry = self._table.get(key)
+                if entry is None and not pacer.take(self._layouts[key].nbytes):
+                    break
+                paced.append(key)
+            known = paced
+        self.prefetch(known)
 
     def hint(self, keys: Iterable[ExpertKey]) -> int:
         """Ask the kernel to start reading experts into the page cache (``posix_fadvise``
@@ -487,6 +503,8 @@ class ExpertStore:
                 "token_budget_bytes": self._token_budget,
                 "policy_fallback": self._policy_fallback,
                 "policy_prefetch_batches": self._policy_prefetches,
+                "prefetch_paced_bytes": None if self._pacer is None else self._pacer.granted_bytes,
+                "prefetch_paced_refusals": None if self._pacer is None else self._pacer.refused,
                 "prefetch_guard_refusals": self._table.refused_prefetches,
                 **_sizing.cycle_stats(self._index, self._table.budget_bytes),
             },

@@ -246,3 +246,51 @@ def test_store_refuses_an_explicit_moe_without_k(st_checkpoint: Path) -> None:
 
     with pytest.raises(StoreError, match="experts_per_token"):
         asyncio.run(ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="moe"))
+
+
+def test_idle_pacer_allows_what_idle_time_could_have_read() -> None:
+    """Arithmetic of the pacing: the drive was busy 0.5 s of a 2 s interval reading 100 MB
+    (200 MB/s while busy), so the next batch may prefetch about 1.5 s x 200 MB/s."""
+    import time as _time
+
+    from iosched._pacing import IdlePacer
+
+    readings = iter([{"vda": (0.0, 0)}, {"vda": (0.5, 100_000_000)}, {"vda": (0.5, 100_000_000)}])
+    pacer = IdlePacer(lambda: next(readings))
+    assert pacer.allowance == 0  # nothing measured yet: nothing allowed
+    _time.sleep(0.02)
+    pacer._mark -= 2.0  # the interval lasted ~2 s
+    allowance = pacer.interval_done()
+    assert 290_000_000 <= allowance <= 310_000_000
+    assert pacer.take(200_000_000) and not pacer.take(200_000_000)
+    assert pacer.refused == 1 and pacer.granted_bytes == 200_000_000
+    pacer._mark -= 1.0  # an interval with no reads: idle 1 s at the remembered bandwidth
+    assert 190_000_000 <= pacer.interval_done() <= 210_000_000
+
+
+def test_store_paces_policy_prefetch_by_idle_drive_time(st_checkpoint: Path) -> None:
+    """With idle time between batches (the engine computing), the policy's prefetches are
+    issued and counted as paced; with pacing off they are issued without the account."""
+    import asyncio
+
+    from iosched import _settings
+
+    async def run(pacing: str) -> dict[str, Any]:
+        with _settings.override(prefetch_pacing=pacing):
+            probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
+            one = max(layout.nbytes for layout in probe.index.experts.values())
+            await probe.close()
+            async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
+                                              experts_per_token=2) as store:
+                for t in range(12):
+                    for layer in range(LAYERS):
+                        keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
+                        async with store.acquire_many(keys):
+                            await asyncio.sleep(0.002)  # compute: the drive idles
+                    store.token_boundary()
+                return store.stats()
+
+    paced = asyncio.run(run("idle"))
+    assert paced["prefetch_paced_bytes"] > 0 and paced["prefetch_issued"] > 0
+    free = asyncio.run(run("none"))
+    assert free["prefetch_paced_bytes"] is None and free["prefetch_issued"] > 0

@@ -144,24 +144,40 @@ async def test_weighted_routing_sends_less_to_a_slow_drive(mirrored: tuple[Path,
 
 
 async def test_queue_depth_and_priority() -> None:
-    queue = DeviceQueue(depth=2)
+    """Demand takes any free slot; prefetches only a drive no demand uses or waits for, at
+    most speculative_depth at once, so demand never queues behind more than that."""
+    queue = DeviceQueue(depth=4)
+    assert queue.speculative_depth == 1
     order: list[str] = []
 
     async def read(name: str, ticket: Ticket) -> None:
-        await queue.acquire(ticket)
+        speculative = await queue.acquire(ticket)
         order.append(name)
         await asyncio.sleep(0.01)
-        queue.release()
+        queue.release(speculative)
 
     prefetch, demand = Ticket(PREFETCH), Ticket(DEMAND)
-    tasks = [asyncio.create_task(read(f"p{i}", prefetch)) for i in range(4)]
+    tasks = [asyncio.create_task(read(f"p{i}", prefetch)) for i in range(3)]
     await asyncio.sleep(0)
-    tasks.append(asyncio.create_task(read("d", demand)))
+    assert queue.in_flight == 1 and queue.speculative_in_flight == 1 and queue.queued == 2
+    tasks += [asyncio.create_task(read(f"d{i}", demand)) for i in range(2)]
     await asyncio.sleep(0)
-    assert queue.in_flight == 2 and queue.queued == 3
+    assert queue.in_flight == 3 and queue.queued == 2  # demand did not wait for the prefetches
     await asyncio.gather(*tasks)
-    assert order[:2] == ["p0", "p1"] and order[2] == "d"
-    assert queue.in_flight == 0 and queue.queued == 0
+    assert order == ["p0", "d0", "d1", "p1", "p2"]  # the rest only once demand was done
+    assert queue.in_flight == 0 and queue.speculative_in_flight == 0 and queue.queued == 0
+
+
+async def test_a_prefetch_waits_while_demand_is_in_flight() -> None:
+    queue = DeviceQueue(depth=8)
+    assert await queue.acquire(Ticket(DEMAND)) is False
+    waiting = asyncio.create_task(queue.acquire(Ticket(PREFETCH)))
+    await asyncio.sleep(0)
+    assert not waiting.done() and queue.in_flight == 1
+    queue.release(False)
+    assert await waiting is True and queue.speculative_in_flight == 1
+    queue.release(True)
+    assert queue.in_flight == 0 and queue.speculative_in_flight == 0
 
 
 async def test_promotion_and_cancellation_in_the_queue() -> None:
@@ -175,13 +191,14 @@ async def test_promotion_and_cancellation_in_the_queue() -> None:
     promoted.promote()
     cancelled.cancel()
     await asyncio.sleep(0)
-    queue.release()
+    queue.release(False)
     await asyncio.sleep(0)
     assert second.done() and not first.done(), "the promoted read goes before an older prefetch"
-    queue.release()
-    await first
-    queue.release()
-    assert queue.in_flight == 0 and queue.queued == 0
+    assert second.result() is False  # promoted: a demand slot
+    queue.release(False)
+    assert await first is True
+    queue.release(True)
+    assert queue.in_flight == 0 and queue.queued == 0 and queue.speculative_in_flight == 0
 
 
 async def test_demand_promotes_a_queued_prefetch(st_checkpoint: Path) -> None:
@@ -298,9 +315,10 @@ async def test_hints_own_nothing_and_wait_behind_reads(st_checkpoint: Path) -> N
     hint = asyncio.create_task(queue.acquire(Ticket(HINT)))
     prefetch = asyncio.create_task(queue.acquire(Ticket(PREFETCH)))
     await asyncio.sleep(0)
-    queue.release()
+    queue.release(False)
     await asyncio.sleep(0)
     assert prefetch.done() and not hint.done(), "a hint goes after a prefetch queued later"
-    queue.release()
-    await hint
-    queue.release()
+    queue.release(prefetch.result())
+    assert await hint is True
+    queue.release(True)
+    assert queue.in_flight == 0 and queue.speculative_in_flight == 0

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="auto")
     demo.add_argument("--policy", default="default")
     demo.add_argument("--tokens", type=int, default=None, help="stop after this many decode tokens")
+    demo.add_argument("--scale", type=int, default=16,
+                      help="experts this many times smaller than Qwen3-30B-A3B's in each dimension "
+                           "(default 16: 36 KiB; 2: 2.25 MiB, a real Q4 expert's size)")
     demo.add_argument("--warm", action="store_true",
                       help="keep the checkpoint in the page cache (default: drop it first, a cold start)")
     demo.add_argument("--telemetry", metavar="FILE", default=None,
@@ -87,7 +90,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     config = DemoConfig(
         trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
         backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
-        telemetry=args.telemetry,
+        scale=args.scale, telemetry=args.telemetry,
     )
     if args.budget_cycles <= 0 or args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--budget-cycles and --tokens must be positive, --compute-ms not negative")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, _settings
+from iosched import ExpertStore, StoreError, _settings
 from iosched._checkpoint import load_index
 
 from .synth import write_safetensors_moe
@@ -33,7 +33,10 @@ from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
 # used for every bundled trace so the demo's experts keep a real model's aspect ratio.
 REAL_HIDDEN, REAL_INTERMEDIATE = 2048, 768
 SCALE = 16
-"""Divides the real expert dimensions: 128 x 48 bf16 experts are 36 KiB, 226 MB for 48 x 128."""
+"""Divides the real expert dimensions by default: 128 x 48 bf16 experts are 36 KiB, 226 MB for
+48 x 128.  Small enough for CI, but a miss then costs tens of microseconds, far less than a
+real expert's: ``--scale 2`` (1024 x 384 bf16, 2.25 MiB an expert, the size of the traces'
+Q4_K_M experts) makes misses cost what they cost in a real engine (14.5 GB for qwen's shape)."""
 CHECKPOINT_VERSION = 1
 """Bump when the demo checkpoint's contents change, so old caches are not reused."""
 
@@ -47,6 +50,8 @@ class DemoConfig:
     policy: str = "default"
     cold: bool = True
     max_tokens: int | None = None
+    scale: int = SCALE
+    """Divides the real expert dimensions (see :data:`SCALE`)."""
     telemetry: str | None = None
     """A file for the store's per-token JSON lines (``docs/telemetry.md``)."""
 
@@ -59,9 +64,12 @@ def cache_dir() -> Path:
     return Path(base) / "iosched"
 
 
-def demo_checkpoint(trace: RouteTrace, folder: Path | None = None) -> Path:
-    """The demo checkpoint for ``trace``, built on first use (atomically: build, then rename)."""
-    hidden, inter = REAL_HIDDEN // SCALE, REAL_INTERMEDIATE // SCALE
+def demo_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = SCALE) -> Path:
+    """The demo checkpoint for ``trace``, built on first use (atomically: build, then rename),
+    its experts ``scale`` times smaller than Qwen3-30B-A3B's in each dimension."""
+    if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
+        raise StoreError(f"--scale must be an integer from 1 to 64, got {scale!r}")
+    hidden, inter = REAL_HIDDEN // scale, REAL_INTERMEDIATE // scale
     name = f"demo-v{CHECKPOINT_VERSION}-{trace.arch}-{len(trace.layers)}x{trace.n_expert}-{hidden}x{inter}"
     target = (folder or cache_dir()) / name
     if (target / ".complete").exists():
@@ -203,7 +211,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
 async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
     """Build (once) and replay; ``progress`` is a rich Progress or ``None``."""
     trace = load_bundled_trace(config.trace)
-    folder = await asyncio.to_thread(demo_checkpoint, trace)
+    folder = await asyncio.to_thread(demo_checkpoint, trace, None, config.scale)
     index = await asyncio.to_thread(load_index, folder)
     td = trace.k * sum(index.expert_bytes_by_layer().values())
     budget = int(config.budget_cycles * td)

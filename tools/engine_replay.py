@@ -106,7 +106,7 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
 async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                       policies: Sequence[str], *, compute_ms: float = DEFAULT_COMPUTE_MS,
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
-                      folder: Path | None = None,
+                      folder: Path | None = None, scale: int = demo.SCALE,
                       on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every policy at every budget against the trace's checkpoint, with real reads.
 
@@ -116,7 +116,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     reject_offline(policies, "with real I/O")
     if compute_ms < 0 or (max_tokens is not None and max_tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
-    ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder)
+    ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder, scale)
     index = await asyncio.to_thread(load_index, ckpt)
     by_layer = index.expert_bytes_by_layer()
     ck_layers = sorted(by_layer)

@@ -548,6 +548,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
     p.add_argument("--tokens", type=int, default=None,
                    help="real I/O: stop after this many decode tokens")
+    p.add_argument("--scale", type=int, default=16,
+                   help="real I/O: experts this many times smaller than Qwen3-30B-A3B's in each "
+                        "dimension (default 16, 36 KiB; 2 gives 2.25 MiB, a real Q4 expert's size)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -599,7 +602,8 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     with run_progress("replay", len(policies) * len(cycles)) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
-            backend=args.backend, max_tokens=args.tokens, cold=not args.warm, on_run=on_run))
+            backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
+            on_run=on_run))
     if not args.json:
         _print_table(engine_replay.real_table(out))
     return out
