@@ -51,6 +51,8 @@ class Ticket:
             return
         self.priority = DEMAND
         for queue, waiter in self._waiting:
+            if waiter.fut.done():
+                continue  # granted (or cancelled) already: no longer counted as waiting
             queue._live_speculative -= 1
             queue._live_demand += 1
             queue._push(waiter, DEMAND)

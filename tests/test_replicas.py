@@ -322,3 +322,23 @@ async def test_hints_own_nothing_and_wait_behind_reads(st_checkpoint: Path) -> N
     assert await hint is True
     queue.release(True)
     assert queue.in_flight == 0 and queue.speculative_in_flight == 0
+
+
+async def test_promoting_a_just_granted_prefetch_keeps_the_counts() -> None:
+    """A prefetch granted a slot, promoted before its task resumes: the queue's waiting counts
+    must not change (a miscount once held every later prefetch back for good)."""
+    queue = DeviceQueue(depth=1)
+    assert await queue.acquire(Ticket(DEMAND)) is False
+    ticket = Ticket(PREFETCH)
+    waiting = asyncio.create_task(queue.acquire(ticket))
+    await asyncio.sleep(0)
+    queue.release(False)  # grants the prefetch; its task has not resumed yet
+    ticket.promote()
+    assert await waiting is True
+    assert queue.queued == 0
+    queue.release(True)
+    later = asyncio.create_task(queue.acquire(Ticket(PREFETCH)))
+    await asyncio.sleep(0)
+    assert later.done() and later.result() is True  # still allowed onto the idle drive
+    queue.release(True)
+    assert queue.in_flight == 0 and queue.speculative_in_flight == 0

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
     hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")
     hit.add_argument("--reps", type=int, default=7, help="repetitions, interleaved across loops (default 7)")
+    hit.add_argument("--policy", default="default", help="residency policy (default: default, the moe policy)")
     _add_json(hit)
     hit.set_defaults(func=_cmd_hitpath)
     return parser
@@ -111,7 +112,7 @@ def _cmd_hitpath(args: argparse.Namespace) -> dict[str, Any]:
 
     from .hitpath import measure_hit_path
 
-    out = measure_hit_path(n=args.n, reps=args.reps)
+    out = measure_hit_path(n=args.n, reps=args.reps, policy=args.policy)
     if not args.json:
         console = Console()
         for loop, row in out["loops"].items():

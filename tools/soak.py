@@ -68,6 +68,9 @@ class SoakConfig:
     seed: int = 0
     layers: int = 8
     experts: int = 32
+    policy: str = "default"
+    """The residency policy; the store is told k = ``group`` (the largest batch), so the
+    default is the moe policy with its prefetches and their pacing, under the faults."""
 
     def check(self) -> None:
         if self.acquires <= 0 or self.tasks <= 0 or self.group <= 0 or self.layers <= 0 or self.experts <= 0:
@@ -215,7 +218,8 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     done = asyncio.Event()
     t_start = time.perf_counter()
 
-    async with await ExpertStore.open(primary, budget_bytes=budget, backend=faulty, mirrors=[mirror]) as store:
+    async with await ExpertStore.open(primary, budget_bytes=budget, backend=faulty, mirrors=[mirror],
+                                      policy=config.policy, experts_per_token=config.group) as store:
         table = store._table  # read directly: stats() builds a whole snapshot, this runs every iteration
 
         async def sampler() -> None:
@@ -360,6 +364,7 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--experts", type=int, default=d.experts, help="experts per layer")
     p.add_argument("--backend", default=d.backend)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--policy", default=d.policy, help=f"residency policy (default {d.policy})")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd)
 
@@ -372,6 +377,7 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
         acquires=args.acquires, tasks=args.tasks, group=args.group, cancel_rate=args.cancel_rate,
         fault_rate=args.fault_rate, spike_s=args.spike_ms / 1e3, budget_experts=args.budget_experts,
         backend=args.backend, seed=args.seed, layers=args.layers, experts=args.experts,
+        policy=args.policy,
     )
     config.check()
     err = Console(stderr=True)
