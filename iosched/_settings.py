@@ -101,7 +101,7 @@ SETTINGS: dict[str, Setting] = {
             "batch ends, what the drives' idle time times their measured bandwidth could have "
             "read; iosched/_pacing.py), or `none` (all of them, within `token_budget_bytes`). "
             "Measured for `idle`: on a drive-bound run prefetching everything raised the felt "
-            "wait by 23-42 % (docs/residency.md).",
+            "wait by 20-42 % (docs/residency.md).",
         ),
         Setting(
             "loop", "IOSCHED_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),
