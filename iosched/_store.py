@@ -37,6 +37,7 @@ import backends
 
 # Submodules, not the package: ``import residency`` in a fresh interpreter runs this module
 # while ``residency/__init__`` is still half-initialised.
+from residency import _history
 from residency._policy import ModelShape, Policy
 from residency._table import Entry, EntryState, ResidencyTable
 from residency.registry import make_policy
@@ -160,6 +161,9 @@ class ExpertStore:
         self._room_waiters: list[asyncio.Future[None]] = []
         self._tickets: dict[ExpertKey, Ticket] = {}
         """The priority of each load in flight (a demand join promotes a prefetch's)."""
+        self._history_path: str | None = None
+        self._history_loaded: bool | None = None
+        """``None`` until a history was set up (then saved at close), True once loaded."""
         self._pacer = (IdlePacer(io.drive_usage)
                        if self._prefetching and _settings.get("prefetch_pacing") == "idle" else None)
         self._policy_prefetches = 0
@@ -204,6 +208,7 @@ class ExpertStore:
         token_budget_bytes: int | None = None,
         experts_per_token: int | None = None,
         telemetry: str | os.PathLike[str] | None = None,
+        history: str | os.PathLike[str] | None = None,
     ) -> "ExpertStore":
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
@@ -226,6 +231,11 @@ class ExpertStore:
 
         ``telemetry`` names a file to write one JSON line per token to (the counters' deltas
         at each ``token_boundary()`` and at ``close()``; see ``docs/telemetry.md``).
+
+        ``history`` names a usage-history file of the policy (``moe``/``default`` keep one,
+        ``residency/_history.py``): read at open when it exists (the policy starts from what
+        the last run learned, decayed by half, and pins the experts it routed at more than half
+        of their layer's visits), written at ``close()``.
 
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
@@ -324,16 +334,41 @@ class ExpertStore:
                       routing, depths if depths is not None and queue_depth is None else depth,
                       stripe_threshold)
         sink = None if telemetry is None else await asyncio.to_thread(TokenTelemetry, telemetry)
-        return cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes, telemetry=sink)
+        store = cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes, telemetry=sink)
+        if history is not None:
+            await store._load_history(os.fspath(history))
+        return store
+
+    async def _load_history(self, path: str) -> None:
+        policy = self._table.policy
+        if not callable(getattr(policy, "load_history", None)):
+            await self.close()
+            raise StoreError(f"history={path}: the policy in use ({self._policy_name}"
+                             f"{', fallen back to lru' if self._policy_fallback else ''}) keeps no usage history")
+        self._history_path = path
+        self._history_loaded = False
+        if os.path.exists(path):
+            try:
+                arrays = await asyncio.to_thread(_history.load, path)
+                policy.load_history(arrays, path)  # type: ignore[attr-defined]
+            except StoreError:
+                self._history_path = None  # never overwrite the file it could not read
+                await self.close()
+                raise
+            self._history_loaded = True
 
     async def close(self) -> None:
-        """Wait for loads in flight, free every buffer, close the files.  Idempotent."""
+        """Wait for loads in flight, free every buffer, close the files (and write the
+        usage history, when ``history=`` named one).  Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._wake_room()
         while self._loads:
             await asyncio.gather(*list(self._loads), return_exceptions=True)
+        if self._history_path is not None and self._history_loaded is not None:
+            arrays = self._table.policy.history()  # type: ignore[attr-defined]
+            await asyncio.to_thread(_history.save, self._history_path, arrays)
         if self._telemetry is not None:
             self._telemetry.record(self, "close")
             self._telemetry.close()
@@ -502,6 +537,9 @@ class ExpertStore:
                 "hints_skipped": self._hints_skipped,
                 "token_budget_bytes": self._token_budget,
                 "policy_fallback": self._policy_fallback,
+                "history": self._history_path,
+                "history_loaded": bool(self._history_loaded),
+                "pinned_experts": getattr(self._table.policy, "pinned_experts", 0),
                 "policy_prefetch_batches": self._policy_prefetches,
                 "prefetch_paced_bytes": None if self._pacer is None else self._pacer.granted_bytes,
                 "prefetch_paced_refusals": None if self._pacer is None else self._pacer.refused,

@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -59,6 +59,7 @@ import numpy.typing as npt
 
 from iosched._errors import StoreError
 
+from . import _history
 from ._cooc import CoActivation
 from ._hazard import AGE_MAX, HazardTable, count_bin
 from ._policy import Key, ModelShape
@@ -118,6 +119,7 @@ class MoEPolicy:
         self._wait_n = np.zeros(L)
         self._hazard = HazardTable()
         self._coact = CoActivation(L, E)
+        self._pins = _history.Pins(L, E)
         self._batch_pos = -1
         self._batch: list[int] = []
         self._prev: tuple[int, list[int]] | None = None
@@ -209,6 +211,7 @@ class MoEPolicy:
         small = self._next_layer_order()
         filling = 0 < len(self._batch) < self._k
         in_batch = self._in_batch.ravel()
+        pinned = self._pins.pinned.ravel()
         batch_pos = self._batch_pos
         seen: set[int] = set()
         tail: list[int] = []
@@ -218,8 +221,8 @@ class MoEPolicy:
             if i in seen or not resident[i]:
                 continue
             seen.add(i)
-            if in_batch[i] or (filling and i // E == batch_pos):
-                tail.append(i)  # the batch in progress (and, while it fills, its layer): last
+            if in_batch[i] or (filling and i // E == batch_pos) or pinned[i]:
+                tail.append(i)  # the batch in progress (and, while it fills, its layer), pins: last
                 continue
             yield (layers[i // E], i % E)
         for i in tail:
@@ -313,6 +316,53 @@ class MoEPolicy:
                 out.append((self._layers[nxt], j))
         return out
 
+    # ------------------------------------------------------------------ usage history
+
+    @property
+    def pinned_experts(self) -> int:
+        return int(self._pins.pinned.sum()) if self._shape is not None else 0
+
+    def history(self) -> dict[str, npt.NDArray[np.generic]]:
+        """What this run learned (with any history loaded before), for :func:`_history.save`."""
+        if self._shape is None:
+            raise StoreError("policy 'moe' has no shape, hence no history")
+        coact = self._coact.counts
+        return {
+            "layers": np.array(self._layers, dtype=np.int64), "n_expert": np.array(self._E),
+            "k": np.array(self._k), "count": self._count, "visits": self._pins.visits + self._visits,
+            "hazard_used": self._hazard.used, "hazard_exposed": self._hazard.exposed,
+            "pairs": coact if coact is not None else np.zeros((0,), dtype=np.float32),
+            "picks": self._coact.picks,
+        }
+
+    def load_history(self, arrays: Mapping[str, npt.NDArray[np.generic]], source: str) -> None:
+        """Seed the policy with a saved history, decayed by half (``residency/_history.py``);
+        a ``StoreError`` naming ``source`` and the field when it does not fit this model."""
+        if self._shape is None:
+            raise StoreError("policy 'moe' needs its shape before a history")
+        L, E = self._L, self._E
+        want = {"layers": (L,), "count": (L, E), "visits": (L,), "hazard_used": self._hazard.used.shape,
+                "hazard_exposed": self._hazard.exposed.shape, "picks": (L, E)}
+        for name, shape in want.items():
+            if name not in arrays or arrays[name].shape != shape:
+                got = arrays[name].shape if name in arrays else "missing"
+                raise StoreError(f"usage history {source}: field {name!r} is {got}, this model needs {shape}")
+        if (tuple(int(x) for x in arrays["layers"]) != self._layers
+                or int(arrays.get("n_expert", -1)) != E or int(arrays.get("k", -1)) != self._k):
+            raise StoreError(f"usage history {source}: saved for another model shape (layers, "
+                             f"experts or k differ from {L} layers x {E} experts, k={self._k})")
+        d = _history.HISTORY_DECAY
+        count = np.asarray(arrays["count"], dtype=np.float64)
+        self._count += d * count
+        self._pins.visits += d * np.asarray(arrays["visits"], dtype=np.float64)
+        self._hazard.used += d * np.asarray(arrays["hazard_used"], dtype=np.float64)
+        self._hazard.exposed += d * np.asarray(arrays["hazard_exposed"], dtype=np.float64)
+        pairs = arrays.get("pairs")
+        if self._coact.counts is not None and pairs is not None and pairs.shape == self._coact.counts.shape:
+            self._coact.counts += np.float32(d) * pairs.astype(np.float32)
+            self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
+        self._rebuild()
+
     def check(self, keys: set[Key]) -> None:
         assert self._shape is not None or not keys, "unshaped moe policy holds keys"
         if self._shape is None:
@@ -384,6 +434,7 @@ class MoEPolicy:
         self._phit, self._extra = self._hazard.density(round(self._horizon))
         self._batches_since_rebuild = 0
         self._set_cost()
+        self._pins.update(self._count, self._visits, self._size, self._budget)
         self._update_rows(slice(None))
 
     def _update_rows(self, rows: int | slice) -> None:

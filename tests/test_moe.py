@@ -294,3 +294,68 @@ def test_store_paces_policy_prefetch_by_idle_drive_time(st_checkpoint: Path) -> 
     assert paced["prefetch_paced_bytes"] > 0 and paced["prefetch_issued"] > 0
     free = asyncio.run(run("none"))
     assert free["prefetch_paced_bytes"] is None and free["prefetch_issued"] > 0
+
+
+def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path, tmp_path: Path) -> None:
+    """Run 1 routes expert 0 of every layer at every token and writes its history at close;
+    run 2 loads it (decayed), pins those experts, and a bad or foreign file is refused by
+    name without being overwritten."""
+    import asyncio
+
+    from residency import _history
+
+    path = tmp_path / "usage.npz"
+
+    async def run(tokens: int) -> dict[str, Any]:
+        probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
+        one = max(layout.nbytes for layout in probe.index.experts.values())
+        await probe.close()
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 3 * one,
+                                          experts_per_token=2, history=path) as store:
+            for t in range(tokens):
+                for layer in range(LAYERS):
+                    async with store.acquire_many([(layer, 0), (layer, 1 + t % (EXPERTS - 1))]):
+                        pass
+                store.token_boundary()
+            return store.stats()
+
+    first = asyncio.run(run(10))
+    assert first["history"] == str(path) and not first["history_loaded"] and path.exists()
+    saved = _history.load(path)
+    assert saved["count"][:, 0].min() >= 10 and int(saved["k"]) == 2
+    second = asyncio.run(run(1))
+    assert second["history_loaded"] and second["pinned_experts"] >= LAYERS  # expert 0 everywhere
+
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a history")
+    with pytest.raises(StoreError, match="bad.npz"):
+        asyncio.run(ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, experts_per_token=2,
+                                     history=bad))
+    assert bad.read_bytes() == b"not a history"  # refused, not overwritten
+
+    foreign = dict(saved)
+    foreign["k"] = np.array(3)
+    _history.save(tmp_path / "foreign.npz", foreign)
+    with pytest.raises(StoreError, match="another model shape"):
+        asyncio.run(ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, experts_per_token=2,
+                                     history=tmp_path / "foreign.npz"))
+    with pytest.raises(StoreError, match="keeps no usage history"):
+        asyncio.run(ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="lru",
+                                     history=path))
+
+
+def test_pins_have_hysteresis_and_a_byte_cap() -> None:
+    from residency._history import Pins
+
+    pins = Pins(1, 4)
+    pins.visits[:] = 10.0
+    size = np.full((1, 4), 10.0)
+    count = np.array([[9.0, 6.0, 3.0, 1.0]])
+    pins.update(count, np.array([0]), size, budget=100)
+    assert pins.pinned.tolist() == [[True, True, False, False]]
+    count = np.array([[9.0, 4.0, 4.5, 1.0]])  # 0.4: below PIN_ON, above PIN_OFF
+    pins.update(count, np.array([0]), size, budget=100)
+    assert pins.pinned.tolist() == [[True, True, False, False]]  # stays pinned, not re-pinned
+    count = np.array([[9.0, 2.0, 9.0, 9.0]])
+    pins.update(count, np.array([0]), size, budget=25)  # room for two experts' half-budget
+    assert pins.pinned.sum() == 1 and pins.pinned[0, 0]

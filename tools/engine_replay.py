@@ -180,6 +180,13 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
     warm.check()
     if len(warm):
         raise AssertionError("entries left after evict_all in a simulation")
+    history = getattr(policy, "history", None)
+    if callable(history):
+        # A policy that keeps a usage history is seeded the way the store seeds it: a fresh
+        # policy loads what the trained one saved (decayed by half, with its pins).
+        learned = history()
+        policy = build_policy(policy_name, ev, budget, prefetch_width)
+        policy.load_history(learned, "--train")  # type: ignore[attr-defined]
     table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
     run = drive(table, ev)
     row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
