@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import importlib
 import math
 import os
@@ -279,11 +280,10 @@ class Drive:
     prefetch_refused_budget: int = 0
 
     def fields(self) -> dict[str, int]:
-        return {"oversize": self.oversize, "miss_bytes": self.miss_bytes,
-                "prefetch_issued": self.prefetch_issued, "prefetch_bytes": self.prefetch_bytes,
-                "prefetch_used": self.prefetch_used, "prefetch_wasted": self.prefetch_wasted,
-                "prefetch_refused_budget": self.prefetch_refused_budget,
-                "moved_bytes": self.miss_bytes + self.prefetch_bytes}
+        """The counters as a result row's keys, with ``moved_bytes`` (misses plus prefetches)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "flags"}
+        out["moved_bytes"] = self.miss_bytes + self.prefetch_bytes
+        return out
 
 
 def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | None = None,
