@@ -134,8 +134,7 @@ class MoEPolicy:
         self._order_head: list[tuple[float, int]] = []
         self._order_rest: tuple[F64, npt.NDArray[np.int64]] = (np.zeros(0), np.zeros(0, dtype=np.int64))
         self._small_pairs: list[tuple[float, int]] = []
-        self._small_key: tuple[int, tuple[int, int] | None, int] | None = None
-        self._small_epoch = 0
+        self._small_key: tuple[int, tuple[int, int] | None] | None = None
         self._order_version = -1
         self._in_order = np.zeros(L * E, dtype=bool)
         self._appended: list[int] = []
@@ -231,8 +230,10 @@ class MoEPolicy:
 
     def _next_layer_order(self) -> list[tuple[float, int]]:
         """The next layer's resident experts as (density, flat index), ascending; cached
-        until a pick changes the prediction or an expert of that layer comes in."""
-        key = (self._order_version, self._next_key, self._small_epoch)
+        until the prediction or the other layers' order changes.  A prefetch that comes in
+        meanwhile is walked after the cached ones (``_appended``): it beat what it displaced,
+        so it ranks high anyway."""
+        key = (self._order_version, self._next_key)
         if key != self._small_key:
             E = self._E
             nxt = (self._cursor() + 1) % self._L
