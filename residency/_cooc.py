@@ -52,6 +52,22 @@ class CoActivation:
             self.counts[pos][np.ix_(np.asarray(picks), np.asarray(next_picks))] += 1.0
             self.picks[pos, np.asarray(picks)] += 1.0
 
+    def learn_many(self, pairs: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """:meth:`learn` for many (pos, picks, next_picks) at once (one scatter-add)."""
+        if self.counts is None or not pairs:
+            return
+        pos, rows, cols = [], [], []
+        for p, picks, nxt in pairs:
+            for i in picks:
+                for j in nxt:
+                    pos.append(p)
+                    rows.append(i)
+                    cols.append(j)
+        np.add.at(self.counts, (np.asarray(pos), np.asarray(rows), np.asarray(cols)), 1.0)
+        ppos = [p for p, picks, nxt in pairs if nxt for _ in picks]
+        pick = [i for p, picks, nxt in pairs if nxt for i in picks]
+        np.add.at(self.picks, (np.asarray(ppos), np.asarray(pick)), 1.0)
+
     def predict(self, pos: int, picks: Sequence[int], k: int, popularity: F64) -> F64 | None:
         """Probabilities of the next layer's experts being routed given this token's ``picks``
         at ``pos``; ``popularity`` is the next layer's distribution of picks (sums to 1).

@@ -140,6 +140,8 @@ class MoEPolicy:
         self._appended: list[int] = []
         self._next_value: F64 | None = None
         self._batches_since_rebuild = 0
+        self._observed: list[tuple[npt.NDArray[np.int64], F64, npt.NDArray[np.bool_]]] = []
+        self._paired: list[tuple[int, list[int], list[int]]] = []
         self._rebuild()
 
     @property
@@ -327,6 +329,7 @@ class MoEPolicy:
         """What this run learned (with any history loaded before), for :func:`_history.save`."""
         if self._shape is None:
             raise StoreError("policy 'moe' has no shape, hence no history")
+        self._learn()
         coact = self._coact.counts
         return {
             "layers": np.array(self._layers, dtype=np.int64), "n_expert": np.array(self._E),
@@ -403,16 +406,18 @@ class MoEPolicy:
         if pos < 0 or not picks:
             self._batch_pos, self._batch = -1, []
             return
-        routed = self._in_batch[pos].copy()
-        age = self._visits[pos] - self._last[pos]
-        self._hazard.observe(age, self._count[pos], routed)
+        # Learning is deferred to the token cycle's end (_rebuild), where one bincount takes a
+        # whole cycle's observations: the density tables it feeds are rebuilt only there, so
+        # the outcome is the same and a batch costs a copy instead of two bincounts.
+        self._observed.append((self._visits[pos] - self._last[pos], self._count[pos].copy(),
+                               self._in_batch[pos].copy()))
         self._visits[pos] += 1
         self._count[pos, picks] += 1.0
         self._last[pos, picks] = self._visits[pos]
         prev = self._prev
         if (prev is not None and prev[0] == (pos - 1) % self._L
                 and len(prev[1]) <= self._k and len(picks) <= self._k):
-            self._coact.learn(prev[0], prev[1], picks)
+            self._paired.append((prev[0], prev[1], list(picks)))
         self._prev = (pos, list(picks))
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
@@ -432,11 +437,22 @@ class MoEPolicy:
         if not math.isfinite(self._horizon):
             td = self._shape.token_cycle_bytes if self._shape is not None else 0
             self._horizon = max(1.0, (self._budget or 0) / td) if td else 1.0
+        self._learn()
         self._phit, self._extra = self._hazard.density(round(self._horizon))
         self._batches_since_rebuild = 0
         self._set_cost()
         self._pins.update(self._count, self._visits, self._size, self._budget)
         self._update_rows(slice(None))
+
+    def _learn(self) -> None:
+        """Fold the cycle's deferred observations into the hazard and co-activation tables."""
+        if self._observed:
+            ages, counts, routed = zip(*self._observed)
+            self._hazard.observe(np.concatenate(ages), np.concatenate(counts), np.concatenate(routed))
+            self._observed = []
+        if self._paired:
+            self._coact.learn_many(self._paired)
+            self._paired = []
 
     def _update_rows(self, rows: int | slice) -> None:
         """Class terms of the experts of ``rows``: ``_num`` = P(hit within the horizon),
