@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from iosched import _settings
+from iosched import StoreError, _settings
 from tools import replay
 
 CONTRACT_ROW = {"policy": str, "cycles": float, "budget_bytes": int, "requests": int,
@@ -103,3 +103,13 @@ def test_eval_without_train_and_mismatched_eval(capsys: pytest.CaptureFixture[st
     out = run_json(capsys, ["qwen", "--simulate", "--train", "qwen", "--eval", "gemma",
                             "--json"], status=2)
     assert "gemma" in out["error"] and "qwen" in out["error"]
+
+
+@pytest.mark.parametrize("scale", [0, 65, True, 2.0])
+def test_a_bad_scale_is_named(tmp_path: Path, scale: object) -> None:
+    from tools import demo
+    from tools.trace import load_bundled_trace
+
+    with pytest.raises(StoreError, match="--scale"):
+        demo.demo_checkpoint(load_bundled_trace("gemma"), tmp_path, scale)  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())  # nothing was written
