@@ -37,7 +37,7 @@ loads and is computed on), and ``None`` means the evictable entries cannot free 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from iosched._errors import BudgetError
 
@@ -208,6 +208,71 @@ class ResidencyTable:
             return None
         for victim in victims:
             self.evict(victim)
+        return self._insert(key, nbytes)
+
+    def reserve_speculative_many(self, items: Sequence[tuple[Key, int]]) -> list[Entry | None]:
+        """Speculative reservations (as ``reserve(key, nbytes, speculative=True)``) for several
+        keys, best first, with one walk of the policy's victims: the evictable entries the
+        whole batch could need are listed once (the walk changes nothing), then each key takes
+        the next ones it needs and the guard decides; a refused key leaves them to the next.
+        One entry (or ``None``: in the table already, no room, or refused) per item.
+
+        Why not a loop over ``reserve``: a structure-aware policy ranks its victims afresh on
+        each walk, and k walks per batch were most of its cost (``docs/residency.md``)."""
+        for key, nbytes in items:  # as reserve does, and before anything is reserved
+            if nbytes > self.budget_bytes or nbytes < 0:
+                raise BudgetError(f"expert {key!r} needs {nbytes} bytes, outside the budget of "
+                                  f"{self.budget_bytes} bytes")
+        out: list[Entry | None] = []
+        todo = [(key, n) for key, n in items if key not in self._entries and n <= self.main_bytes]
+        total = sum(n for _, n in todo)
+        pool = self._evictable(max(self.used_bytes + total - self.budget_bytes,
+                                   self.admitted_bytes + total - self.main_bytes))
+        admit = getattr(self.policy, "admit_prefetch", None) or self.policy.admit
+        cursor = 0
+        for key, nbytes in items:
+            if key in self._entries:
+                out.append(None)
+                continue
+            if nbytes > self.main_bytes:
+                self.refused_prefetches += 1
+                out.append(None)
+                continue
+            need = max(self.used_bytes + nbytes - self.budget_bytes,
+                       self.admitted_bytes + nbytes - self.main_bytes)
+            victims: list[Entry] = []
+            freed, j = 0, cursor
+            while freed < need and j < len(pool):
+                victims.append(pool[j])
+                freed += pool[j].nbytes
+                j += 1
+            if freed < need:
+                out.append(None)
+                continue
+            if not admit(key, nbytes, [v.key for v in victims]):
+                self.refused_prefetches += 1
+                out.append(None)
+                continue
+            for victim in victims:
+                self.evict(victim)
+            cursor = j
+            out.append(self._insert(key, nbytes))
+        return out
+
+    def _evictable(self, need: int) -> list[Entry]:
+        """Evictable entries in the policy's order until ``need`` bytes are covered (fewer
+        when there are not enough); nothing is evicted."""
+        chosen: list[Entry] = []
+        for key in self.policy.victims() if need > 0 else ():
+            entry = self._entries[key]
+            if entry.evictable:
+                chosen.append(entry)
+                need -= entry.nbytes
+                if need <= 0:
+                    break
+        return chosen
+
+    def _insert(self, key: Key, nbytes: int) -> Entry:
         entry = Entry(key, nbytes, transient=False)
         self._entries[key] = entry
         self.used_bytes += nbytes

@@ -3,6 +3,7 @@ co-activation prefetch with its eviction guard, and the store driving it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from iosched import ExpertStore, StoreError
+from iosched._errors import BudgetError
 from residency import POLICIES, ResidencyTable, make_policy
 from residency._cooc import CoActivation
 from residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
@@ -369,3 +371,45 @@ def test_pins_have_hysteresis_and_a_byte_cap() -> None:
     count = np.array([[9.0, 2.0, 9.0, 9.0]])
     pins.update(count, np.array([0]), size, budget=25)  # room for two experts' half-budget
     assert pins.pinned.sum() == 1 and pins.pinned[0, 0]
+
+
+def test_reserving_a_batch_of_prefetches_matches_one_at_a_time() -> None:
+    """Under LRU (which admits every prefetch) the batch call evicts and inserts exactly what
+    a loop of single speculative reservations does; keys already in the table and keys
+    larger than the main region get None."""
+    def table_with(keys: list[str]) -> ResidencyTable:
+        table = ResidencyTable(4 * UNIT, LRUPolicy())
+        for key in keys:
+            entry = table.reserve(key, UNIT)
+            assert entry is not None
+            table.publish(entry)
+        return table
+
+    one, many = table_with(["a", "b", "c", "d"]), table_with(["a", "b", "c", "d"])
+    items: list[tuple[Key, int]] = [("x", UNIT), ("b", UNIT), ("y", 2 * UNIT)]
+    singles = [None if one.get(k) is not None else one.reserve(k, n, speculative=True)
+               for k, n in items]
+    batch = many.reserve_speculative_many(items)
+    assert [e is None for e in singles] == [e is None for e in batch] == [False, True, False]
+    assert sorted(map(str, (e.key for e in one.entries()))) == sorted(map(str, (e.key for e in many.entries())))
+    with pytest.raises(BudgetError, match="'z'"):  # larger than the budget: named, nothing reserved
+        many.reserve_speculative_many([("w", UNIT), ("z", 5 * UNIT)])
+    assert many.get("w") is None
+    many.check()
+
+
+def test_a_refused_prefetch_leaves_its_victims_to_the_next() -> None:
+    class Picky(LRUPolicy):
+        def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+            return key != "no"
+
+    table = ResidencyTable(2 * UNIT, Picky())
+    for key in ("a", "b"):
+        entry = table.reserve(key, UNIT)
+        assert entry is not None
+        table.publish(entry)
+    got = table.reserve_speculative_many([("no", UNIT), ("yes", UNIT)])
+    assert got[0] is None and got[1] is not None
+    assert table.get("a") is None and table.get("b") is not None  # "yes" took a, the first victim
+    assert table.refused_prefetches == 1
+    table.check()

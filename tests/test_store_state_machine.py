@@ -175,6 +175,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.tokens = 0
         self.acquire_errors = 0
         self.may_fail = False
+        self.faults_seen = False
+        """Whether any fault was ever planned (a timed hang after one may fail a load twice)."""
         """A fault that can fail both replicas of a read: EIO on the primary too."""
         self.hanging = False
         """A drive stopped answering until the plan changes: loads may not finish by waiting."""
@@ -344,6 +346,7 @@ class StoreMachine(RuleBasedStateMachine):
         """EIO, short reads and latency spikes on the mirror; sometimes EIO on the primary."""
         rules = {str(self.ckpt.mirror): Faults(eio_rate=eio, short_rate=short, spike_rate=spike,
                                                spike_s=0.002)}
+        self.faults_seen = self.faults_seen or bool(eio or short or primary_eio)
         if primary_eio:
             rules[str(self.ckpt.primary)] = Faults(eio_rate=primary_eio)
             self.may_fail = True
@@ -354,6 +357,11 @@ class StoreMachine(RuleBasedStateMachine):
         """A drive stops answering: until the plan changes, or for 3 ms and then EIO (its reads
         fail over to the other replica)."""
         root = self.ckpt.primary if primary else self.ckpt.mirror
+        if timeout and self.faults_seen:
+            # A read that failed on the other replica under an earlier plan (and is still being
+            # retried) fails over to this one, whose hang times out into EIO: both failed it.
+            self.may_fail = True
+        self.faults_seen = True
         self.set_plan(FaultPlan.on(root, seed=self.backend.plan.seed, hang=True,
                                    hang_s=0.003 if timeout else None), hanging=not timeout)
 

@@ -341,14 +341,18 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                     if entry.transient:
                         remove(entry)
             if end_batch is not None and reqs.batch_end[i]:
+                wanted: list[tuple[Key, int]] = []
+                planned = token_prefetch
                 for want in end_batch():
                     size = reqs.key_bytes[want]  # type: ignore[index]
                     if get(want) is not None:
                         continue
-                    if token_budget_bytes is not None and token_prefetch + size > token_budget_bytes:
+                    if token_budget_bytes is not None and planned + size > token_budget_bytes:
                         out.prefetch_refused_budget += 1
                         continue
-                    e = reserve(want, size, speculative=True)
+                    planned += size
+                    wanted.append((want, size))
+                for (want, size), e in zip(wanted, table.reserve_speculative_many(wanted)):
                     if e is None:
                         continue
                     publish(e)
