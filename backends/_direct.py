@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from iosched._devices import logical_block_size
 from iosched._errors import ReadError
@@ -73,3 +73,28 @@ class DirectFiles:
             os.close(fd)
         self._opened.clear()
         self.fds.clear()
+
+
+class DirectFilesOwner:
+    """What a backend that reads through a :class:`DirectFiles` exposes of it (``odirect`` and
+    ``uring`` alike): opening it (closing the backend if that fails), each file's alignment,
+    and why a file is read buffered.  Listed first among the bases, so its ``alignment``
+    overrides a buffered base's."""
+
+    _direct: DirectFiles
+    close: Callable[[], None]
+
+    def _open_direct(self, paths: Sequence[str]) -> None:
+        try:
+            self._direct.open(paths)
+        except ReadError:
+            self.close()
+            raise
+
+    @property
+    def buffered_fallbacks(self) -> dict[str, str]:
+        """File path -> why it is read buffered."""
+        return self._direct.fallbacks
+
+    def alignment(self, file: int) -> int:
+        return self._direct.align[file]

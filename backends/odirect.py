@@ -24,13 +24,13 @@ from typing import Any, ClassVar, Sequence
 from iosched._errors import ReadError
 
 from ._base import Caps
-from ._direct import DirectFiles
+from ._direct import DirectFiles, DirectFilesOwner
 from .pread import PreadBackend, pread_into
 
 log = logging.getLogger("iosched.backends")
 
 
-class ODirectBackend(PreadBackend):
+class ODirectBackend(DirectFilesOwner, PreadBackend):
     name: ClassVar[str] = "odirect"
     caps: ClassVar[Caps] = Caps.DIRECT
 
@@ -41,19 +41,7 @@ class ODirectBackend(PreadBackend):
 
     def open(self, paths: Sequence[str]) -> None:
         super().open(paths)  # the buffered descriptors
-        try:
-            self._direct.open(paths)
-        except ReadError:
-            self.close()
-            raise
-
-    @property
-    def buffered_fallbacks(self) -> dict[str, str]:
-        """File path -> why it is read buffered."""
-        return self._direct.fallbacks
-
-    def alignment(self, file: int) -> int:
-        return self._direct.align[file]
+        self._open_direct(paths)
 
     def _read_sync(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         fd, path, align = self._direct.fds[file], self._paths[file], self._direct.align[file]

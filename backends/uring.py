@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Sequence
 from iosched._errors import BackendUnavailable, ReadError
 
 from ._base import Caps
-from ._direct import DirectFiles
+from ._direct import DirectFiles, DirectFilesOwner
 from .pread import open_all
 
 log = logging.getLogger("iosched.backends")
@@ -203,7 +203,7 @@ class _Ring:
             self.efd = -1
 
 
-class UringBackend:
+class UringBackend(DirectFilesOwner):
     """io_uring reads; ``UringBackend(direct=False)`` builds a :class:`BufferedUringBackend`,
     so that ``caps`` (a class attribute in the protocol) always describes the instance."""
 
@@ -232,19 +232,7 @@ class UringBackend:
         if Caps.DIRECT not in self.caps:
             self._direct.open_buffered(paths)
             return
-        try:
-            self._direct.open(paths)
-        except ReadError:
-            self.close()
-            raise
-
-    @property
-    def buffered_fallbacks(self) -> dict[str, str]:
-        """File path -> why it is read buffered."""
-        return self._direct.fallbacks
-
-    def alignment(self, file: int) -> int:
-        return self._direct.align[file]
+        self._open_direct(paths)
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         assert self._fds, "backend used before open()"
