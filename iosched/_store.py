@@ -407,20 +407,20 @@ class ExpertStore:
         started.  Unknown keys raise before any load starts."""
         self._check_open()
         layouts = [self._layout_of(key) for key in keys]
-        wanted: list[ExpertLayout] = []
+        wanted: dict[ExpertKey, ExpertLayout] = {}
         planned = self._speculative_bytes
         for layout in layouts:
-            if self._table.get(layout.key) is not None or layout in wanted:
+            if self._table.get(layout.key) is not None or layout.key in wanted:
                 continue  # resident, or loading: a demand read got there first
             if self._token_budget is not None and planned + layout.nbytes > self._token_budget:
                 self._prefetch_refused += 1
                 self._prefetch_refused_bytes += layout.nbytes
                 continue
             planned += layout.nbytes
-            wanted.append(layout)
-        entries = self._table.reserve_speculative_many([(lay.key, lay.nbytes) for lay in wanted])
+            wanted[layout.key] = layout
+        entries = self._table.reserve_speculative_many([(k, lay.nbytes) for k, lay in wanted.items()])
         started = 0
-        for layout, entry in zip(wanted, entries):
+        for layout, entry in zip(wanted.values(), entries):
             if entry is None:  # no room without a leased/pinned/loading victim, or the
                 self._prefetch_dropped += 1  # policy's eviction guard refused
                 continue

@@ -48,9 +48,7 @@ class CoActivation:
 
     def learn(self, pos: int, picks: Sequence[int], next_picks: Sequence[int]) -> None:
         """One token routed ``picks`` at layer position ``pos`` and ``next_picks`` at the next."""
-        if self.counts is not None and picks and next_picks:
-            self.counts[pos][np.ix_(np.asarray(picks), np.asarray(next_picks))] += 1.0
-            self.picks[pos, np.asarray(picks)] += 1.0
+        self.learn_many([(pos, picks, next_picks)])
 
     def learn_many(self, pairs: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
         """:meth:`learn` for many (pos, picks, next_picks) at once (one scatter-add)."""

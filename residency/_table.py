@@ -153,7 +153,7 @@ class ResidencyTable:
         if key in self._entries:
             raise AssertionError(f"reserve of {key!r}, which is already in the table")
         if speculative:
-            return self._reserve_speculative(key, nbytes)
+            return self.reserve_speculative_many([(key, nbytes)])[0]
         victims: list[Entry] | None = None
         if nbytes <= self.main_bytes:  # else it can never be admitted
             victims = self._victims_for(max(self.used_bytes + nbytes - self.budget_bytes,
@@ -193,22 +193,6 @@ class ResidencyTable:
         else:
             self.rejections += 1
         return entry
-
-    def _reserve_speculative(self, key: Key, nbytes: int) -> Entry | None:
-        if nbytes > self.main_bytes:
-            self.refused_prefetches += 1
-            return None
-        victims = self._victims_for(max(self.used_bytes + nbytes - self.budget_bytes,
-                                        self.admitted_bytes + nbytes - self.main_bytes))
-        if victims is None:
-            return None
-        admit = getattr(self.policy, "admit_prefetch", None) or self.policy.admit
-        if not admit(key, nbytes, [v.key for v in victims]):
-            self.refused_prefetches += 1
-            return None
-        for victim in victims:
-            self.evict(victim)
-        return self._insert(key, nbytes)
 
     def reserve_speculative_many(self, items: Sequence[tuple[Key, int]]) -> list[Entry | None]:
         """Speculative reservations (as ``reserve(key, nbytes, speculative=True)``) for several
@@ -312,17 +296,8 @@ class ResidencyTable:
     def _victims_for(self, need: int) -> list[Entry] | None:
         """The entries to evict, in policy order, to free ``need`` bytes; ``None`` when the
         evictable entries cannot free enough (then nothing is evicted at all)."""
-        chosen: list[Entry] = []
-        if need <= 0:
-            return chosen
-        for key in self.policy.victims():
-            entry = self._entries[key]
-            if entry.evictable:
-                chosen.append(entry)
-                need -= entry.nbytes
-                if need <= 0:
-                    return chosen
-        return None
+        chosen = self._evictable(need)
+        return chosen if sum(e.nbytes for e in chosen) >= need else None
 
     def check(self) -> None:
         """Re-check every invariant in the module docstring; ``AssertionError`` if one fails."""

@@ -123,7 +123,9 @@ class MoEPolicy:
         self._batch_pos = -1
         self._batch: list[int] = []
         self._prev: tuple[int, list[int]] | None = None
-        self._proposed: dict[tuple[int, int], float] = {}
+        self._proposed: set[tuple[int, int]] = set()
+        """Experts proposed for the next layer and not requested since: an insert of one is a
+        prefetch, guarded until its visit."""
         self._horizon = float("nan")
         self._num = np.zeros((L, E))
         self._ext = np.zeros((L, E))
@@ -144,10 +146,6 @@ class MoEPolicy:
         self._paired: list[tuple[int, list[int], list[int]]] = []
         self._rebuild()
 
-    @property
-    def shaped(self) -> bool:
-        return self._shape is not None
-
     # ------------------------------------------------------------------ the Policy protocol
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
@@ -157,7 +155,7 @@ class MoEPolicy:
             self._batch_pos = pos
         self._batch.append(e)
         self._in_batch[pos, e] = True
-        self._proposed.pop((pos, e), None)
+        self._proposed.discard((pos, e))
         self._size[pos, e] = nbytes
 
     def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
@@ -301,12 +299,9 @@ class MoEPolicy:
         it, and return the next layer's experts worth loading ahead, best first."""
         if self._shape is None or self._batch_pos < 0:
             return []
-        pos, picks = self._batch_pos, list(self._batch)
+        nxt = (self._batch_pos + 1) % self._L
         self._end_batch()
-        if len(picks) > self._k:  # a prefill batch of many tokens: no per-token prediction
-            return []
-        nxt = (pos + 1) % self._L
-        scores = self._predict_next()
+        scores = self._predict_next()  # None for a prefill batch of many tokens, among others
         if scores is None:
             return []
         out: list[Key] = []
@@ -315,7 +310,7 @@ class MoEPolicy:
             if scores[j] <= chance or len(out) >= self._width:
                 break
             if not self._resident[nxt, j]:
-                self._proposed[(nxt, j)] = float(scores[j])
+                self._proposed.add((nxt, j))
                 out.append((self._layers[nxt], j))
         return out
 
@@ -421,8 +416,7 @@ class MoEPolicy:
         self._prev = (pos, list(picks))
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
-        for j in [j for (p, j) in self._proposed if p == pos]:
-            del self._proposed[(pos, j)]
+        self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
         self._batches_since_rebuild += 1
         if self._batches_since_rebuild >= self._L:  # once per token cycle
             self._rebuild()
