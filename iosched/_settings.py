@@ -104,6 +104,15 @@ SETTINGS: dict[str, Setting] = {
             "wait by 20-42 % (docs/residency.md).",
         ),
         Setting(
+            "auto_start_cycles", "IOSCHED_AUTO_START_CYCLES", 2, _positive_int,
+            'Token cycles `budget_bytes="auto"` opens with (fewer if fewer fit in half of '
+            "MemAvailable); it grows from there while a larger budget's measured benefit exceeds "
+            "its measured cost (iosched/_growth.py). 2: one token's reuse distance is about one "
+            "cycle, so 2 is the smallest whole-cycle budget in which reuse from one token to the "
+            "next fits under LRU, and the replays measure the steepest gain per cycle between 1 "
+            "and 2 cycles (docs/residency.md).",
+        ),
+        Setting(
             "loop", "IOSCHED_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),
             "Event loop of the command-line tools: uvloop when installed (`auto`), or plain asyncio.",
         ),

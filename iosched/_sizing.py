@@ -15,8 +15,9 @@ differ in size (mixed quantization, a different intermediate size) would otherwi
 cycle of large experts short of room, and the cycle would evict itself. For the usual
 checkpoint every expert of a layer is the same size, and largest = mean.
 
-Not yet done: growing the budget between turns while the measured benefit (felt wait saved)
-exceeds the measured cost (memory taken from the engine and the page cache).
+``budget="auto"`` opens at ``auto_start_cycles`` cycles (or fewer, if fewer fit) and grows
+between turns while the measured benefit (felt wait a larger budget would have saved)
+exceeds the measured cost (memory stalls): :mod:`iosched._growth`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import weakref
 from ._errors import BudgetError
 from ._layout import CheckpointIndex
 
-__all__ = ["AUTO_FRACTION", "auto_budget", "cycle_stats", "mem_available", "token_cycle_bytes"]
+__all__ = ["AUTO_FRACTION", "auto_budget", "cycle_stats", "mem_available", "token_cycle_bytes",
+           "whole_cycles"]
 
 AUTO_FRACTION = 0.5
 """The share of ``MemAvailable`` that ``budget="auto"`` may take.
@@ -66,10 +68,18 @@ def token_cycle_bytes(index: CheckpointIndex, k: int) -> int:
     return k * _largest_per_layer_sum(index)
 
 
-def auto_budget(index: CheckpointIndex, k: int, mem_available: int) -> int:
-    """The budget ``budget="auto"`` picks: the most whole token cycles that fit in
-    ``AUTO_FRACTION`` of ``mem_available`` bytes, and never more cycles than it takes to hold
-    every expert of the checkpoint (room past that would never be used).
+def whole_cycles(index: CheckpointIndex, k: int) -> int:
+    """The token cycles it takes to hold every expert of the checkpoint (at least 1)."""
+    total = sum(layout.nbytes for layout in index.experts.values())
+    return max(1, -(-total // token_cycle_bytes(index, k)))
+
+
+def auto_budget(index: CheckpointIndex, k: int, mem_available: int,
+                start_cycles: int | None = None) -> int:
+    """The budget ``budget="auto"`` opens with: the most whole token cycles that fit in
+    ``AUTO_FRACTION`` of ``mem_available`` bytes, at most ``start_cycles`` of them (the rest
+    is grown into, :mod:`iosched._growth`), and never more cycles than it takes to hold every
+    expert of the checkpoint (room past that would never be used).
 
     Raises :class:`BudgetError` naming the numbers when not even one cycle fits.
     """
@@ -82,9 +92,9 @@ def auto_budget(index: CheckpointIndex, k: int, mem_available: int) -> int:
             f"{td // k} bytes per layer sweep), but only {usable} bytes are usable "
             f"({AUTO_FRACTION:g} of MemAvailable {mem_available}); pass an integer budget_bytes"
         )
-    total = sum(layout.nbytes for layout in index.experts.values())
-    whole = -(-total // td)  # cycles that hold every expert
-    return min(cycles, max(1, whole)) * td
+    if start_cycles is not None:
+        cycles = min(cycles, start_cycles)
+    return min(cycles, whole_cycles(index, k)) * td
 
 
 def mem_available(path: str = _MEMINFO) -> int:

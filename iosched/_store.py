@@ -44,6 +44,7 @@ from residency.registry import make_policy
 
 from . import _settings
 from . import _sizing
+from ._growth import BudgetGrowth
 from ._checkpoint import load_index
 from ._io import ReadPath
 from ._mirrors import find_replicas
@@ -142,6 +143,7 @@ class ExpertStore:
         token_budget_bytes: int | None = None,
         *,
         telemetry: TokenTelemetry | None = None,
+        growth: BudgetGrowth | None = None,
     ) -> None:
         self._index = index
         self._layouts = index.experts
@@ -190,6 +192,9 @@ class ExpertStore:
         self._telemetry = telemetry
         self._closers: list[Callable[[], None]] = []
         """Called by ``close()`` (``iosched._telemetry.start_exporter`` stops its server so)."""
+        self._growth = growth
+        """``budget="auto"``'s growth rule (``iosched/_growth.py``); ``None`` for an integer budget."""
+        self._growth_due = False
 
     # ------------------------------------------------------------------ opening and closing
 
@@ -223,9 +228,11 @@ class ExpertStore:
         drive (setting ``queue_depth``); ``token_budget_bytes`` caps the bytes prefetch may
         start between two ``token_boundary()`` calls (demand reads are never refused).
 
-        ``budget_bytes`` is a positive integer or ``"auto"``: as many whole token cycles
-        (``k × Σ largest expert per layer``, see ``iosched._sizing``) as fit in half of
-        ``MemAvailable``. ``experts_per_token`` (k) overrides the checkpoint's own value
+        ``budget_bytes`` is a positive integer or ``"auto"``: ``auto_start_cycles`` whole token
+        cycles (``k × Σ largest expert per layer``, see ``iosched._sizing``), fewer if fewer fit
+        in half of ``MemAvailable``, grown between turns (``end_turn()``, and after each full
+        turnover of the budget) while the felt wait a larger budget would have saved exceeds
+        the memory-stall time measured meanwhile (``iosched._growth``). ``experts_per_token`` (k) overrides the checkpoint's own value
         (``config.json`` / GGUF ``expert_used_count``); ``"auto"`` needs one or the other. An
         integer budget below one cycle logs a warning: LRU hits nothing below one cycle.
 
@@ -302,7 +309,8 @@ class ExpertStore:
         if auto:
             assert k is not None
             available = await asyncio.to_thread(_sizing.mem_available)
-            budget_bytes = _sizing.auto_budget(index, k, available)
+            budget_bytes = _sizing.auto_budget(index, k, available,
+                                               int(_settings.get("auto_start_cycles")))
             log.info("budget_bytes=\"auto\": %d bytes, %d token cycles of %d bytes (k=%d, "
                      "MemAvailable %d)", budget_bytes, budget_bytes // (td or 1), td, k, available)
         assert isinstance(budget_bytes, int)
@@ -334,7 +342,10 @@ class ExpertStore:
                       routing, depths if depths is not None and queue_depth is None else depth,
                       stripe_threshold)
         sink = None if telemetry is None else await asyncio.to_thread(TokenTelemetry, telemetry)
-        store = cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes, telemetry=sink)
+        growth = (None if not auto or k is None or td is None
+                  else BudgetGrowth(td, budget_bytes, _sizing.whole_cycles(index, k)))
+        store = cls(index, budget_bytes, io, reason, policy_name, token_budget_bytes, telemetry=sink,
+                    growth=growth)
         if history is not None:
             await store._load_history(os.fspath(history))
         return store
@@ -483,6 +494,34 @@ class ExpertStore:
                 queued += 1
         return queued
 
+    def end_turn(self) -> int:
+        """Marks the end of a turn (a request served): with ``budget="auto"`` the budget grows
+        here by the whole token cycles whose measured benefit exceeds their measured cost
+        (``iosched/_growth.py``).  Returns the budget in bytes (unchanged for an integer one)."""
+        self._check_open()
+        self._grow("end_turn")
+        return self._table.budget_bytes
+
+    def _grow(self, reason: str) -> None:
+        self._growth_due = False
+        growth = self._growth
+        if growth is None or self._closed:
+            return
+        try:
+            available = _sizing.mem_available()
+        except BudgetError as exc:  # /proc/meminfo went away: keep the budget
+            log.warning("budget growth skipped: %s", exc)
+            return
+        decision = growth.decide(reason, self._table.budget_bytes,
+                                 self._table.used_bytes + self._pool.idle_bytes, available,
+                                 _sizing.AUTO_FRACTION)
+        if decision.added_cycles:
+            self._table.grow(decision.budget_after)
+            log.info("budget grew by %d token cycles to %d bytes (%s; felt wait per cycle %s s, "
+                     "memory stall %s s)", decision.added_cycles, decision.budget_after, reason,
+                     decision.benefit_s[:decision.added_cycles], decision.cost_s)
+            self._wake_room()
+
     def token_boundary(self) -> None:
         """Marks the start of the next token: the per-token prefetch byte budget starts over,
         and the telemetry file (if any) gets the line of the interval that ends here."""
@@ -548,6 +587,7 @@ class ExpertStore:
                 "prefetch_paced_bytes": None if self._pacer is None else self._pacer.granted_bytes,
                 "prefetch_paced_refusals": None if self._pacer is None else self._pacer.refused,
                 "prefetch_guard_refusals": self._table.refused_prefetches,
+                "budget_growth": None if self._growth is None else self._growth.stats(),
                 **_sizing.cycle_stats(self._index, self._table.budget_bytes),
             },
         )
@@ -611,13 +651,17 @@ class ExpertStore:
         if self._waiting == 0:
             self._wait_since = started
         self._waiting += 1
+        concurrent = self._waiting  # the acquires this one's wait is shared with, so far
         table = self._table
         key = layout.key
         entry = table.get(key)
         self._requests += 1
         table.policy.on_request(key, layout.nbytes, entry is not None)
+        band: int | None = None
         if entry is None:
             self._misses += 1
+            if self._growth is not None:
+                band = self._growth.missed(key)
         else:
             self._joins += 1
         try:
@@ -659,6 +703,8 @@ class ExpertStore:
                 self._felt_wait_s += now - self._wait_since
             if self._on_wait is not None:
                 self._on_wait(key, now - started)  # the miss cost the policy weighs
+            if band is not None and self._growth is not None:
+                self._growth.credit(band, (now - started) / concurrent)
 
     def _lease_taken(self, entry: Entry) -> None:
         """The first lease of an entry a prefetch loaded: the prefetch was used."""
@@ -801,6 +847,10 @@ class ExpertStore:
     def _on_evict(self, entry: Entry) -> None:
         self._left_table(entry)
         self._free_payload(entry)
+        growth = self._growth
+        if growth is not None and growth.evicted(entry.key, entry.nbytes) and not self._growth_due:
+            self._growth_due = True  # the budget turned over: decide at the next await
+            asyncio.get_running_loop().call_soon(self._grow, "turnover")
 
     def _free_payload(self, entry: Entry) -> None:
         loaded: _Loaded | None = entry.payload

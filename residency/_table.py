@@ -114,6 +114,18 @@ class ResidencyTable:
         if callable(set_budget):
             set_budget(self.main_bytes)
 
+    def grow(self, budget_bytes: int) -> None:
+        """Raise the byte budget (``budget="auto"`` growing between turns); the transient slot
+        keeps its size and the main region takes the rest.  Never shrinks: a smaller budget
+        would have to evict leased or loading entries it cannot touch."""
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < self.budget_bytes:
+            raise BudgetError(f"grow: budget_bytes must be an integer >= {self.budget_bytes}, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.main_bytes = budget_bytes - self.transient_bytes
+        set_budget = getattr(self.policy, "set_budget", None)
+        if callable(set_budget):
+            set_budget(self.main_bytes)
+
     def set_on_evict(self, on_evict: Callable[[Entry], None] | None) -> Callable[[Entry], None] | None:
         """Replace the eviction callback (a driver's statistics hook); returns the previous one."""
         previous, self._on_evict = self._on_evict, on_evict

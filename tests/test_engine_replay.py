@@ -54,6 +54,25 @@ def test_real_replay_gemma_three_tokens(tmp_path: Path, capsys: pytest.CaptureFi
     assert row["hits"] == row["store_hits"] + row["single_flight_joins"]
 
 
+def test_real_replay_auto_budget_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(tmp_path), auto_start_cycles=1):
+        out = run_json(capsys, ["gemma", "--cycles", "1", "--policy", "lru", "--tokens", "8",
+                                "--compute-ms", "0", "--auto-budget", "--json"])
+    fixed, auto = out["results"]
+    assert not fixed["auto"] and fixed["budget_growth"] is None
+    assert auto["auto"] and auto["start_cycles"] == 1.0
+    growth = auto["budget_growth"]
+    assert growth["decisions"] >= 1  # at least the end of the trace's turn
+    # the row's budget is the one the store ended with: the start plus what it grew
+    assert auto["budget_bytes"] == (1 + growth["grown_cycles"]) * out["td_bytes"]
+    assert auto["cycles"] == pytest.approx(1 + growth["grown_cycles"])
+
+
+def test_auto_budget_needs_real_io(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--auto-budget", "--json"], status=2)
+    assert "--auto-budget" in out["error"]
+
+
 @pytest.mark.parametrize("argv", [
     ["gemma", "--cycles", "1", "--policy", "lru,belady", "--tokens", "1", "--json"],
     ["qwen", "--simulate", "--train", "qwen", "--policy", "belady", "--cycles", "1", "--json"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from iosched import _sizing
+from iosched import _settings, _sizing
 from iosched._checkpoint import load_index
 from iosched._errors import BudgetError, CheckpointError
 from iosched._store import ExpertStore
@@ -214,7 +214,12 @@ async def test_override_k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         stats = store.stats()
         assert stats["experts_per_token"] == 1
         assert stats["td_bytes"] == CYCLE_PER_K
-        assert stats["budget_bytes"] == EXPERTS * CYCLE_PER_K  # capped at the whole checkpoint
+        assert stats["budget_bytes"] == 2 * CYCLE_PER_K  # auto_start_cycles, grown later
+    with _settings.override(auto_start_cycles=1000):
+        async with await ExpertStore.open(folder, budget_bytes="auto", backend="pread",
+                                          experts_per_token=1) as store:
+            # capped at the whole checkpoint
+            assert store.stats()["budget_bytes"] == EXPERTS * CYCLE_PER_K
     # the override also sizes "auto" on a checkpoint that does not say
     async with await ExpertStore.open(st(tmp_path / "nok"), budget_bytes="auto", backend="pread",
                                       experts_per_token=1) as store:

@@ -159,7 +159,8 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
     """Replay ``trace`` through ``store`` as an engine would: per batch (a prefill layer, or
     one decode token's layer) lease the routed experts together with ``acquire_many``, hold
     them ``compute_s`` seconds (emulated compute), release; ``token_boundary()`` before each
-    decode token.  Stops before decode token ``max_tokens``.  ``on_token`` is called once per
+    decode token, ``end_turn()`` where a prefill follows decode (the conversation's next
+    turn).  Stops before decode token ``max_tokens``.  ``on_token`` is called once per
     decode token (progress bars); ``expert_bytes`` (per trace layer) weighs the byte counts,
     the trace's header sizes when omitted.  ``decode_start`` is the clock reading decode time
     counts from when the trace has no decode token (default: now).  ``layer_map`` renames the
@@ -171,8 +172,12 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
     if decode_start is None:
         decode_start = time.perf_counter()
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
+    was_decode = False
     for phase, tok, layer, experts in trace.batches():
         decode = phase == PHASE_DECODE
+        if was_decode and not decode:
+            store.end_turn()  # a prefill after decode: the next turn of the conversation
+        was_decode = decode
         if decode and tok != token:
             if tokens == total:
                 break

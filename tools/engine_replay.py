@@ -35,7 +35,6 @@ from typing import Any
 
 from iosched import ExpertStore, StoreError
 from iosched._checkpoint import load_index
-from iosched._errors import BudgetError
 from residency import ResidencyTable
 from residency._policy import Policy
 from residency.belady import BeladyPolicy
@@ -59,7 +58,7 @@ def reject_offline(policies: Sequence[str], mode: str) -> None:
 
 
 async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace, policy: str,
-                        cycles: float, budget: int, compute_s: float, backend: str,
+                        cycles: float, budget: int | str, compute_s: float, backend: str,
                         max_tokens: int | None, expert_bytes: dict[int, int],
                         layer_map: dict[int, int], cold: bool) -> dict[str, Any]:
     if cold:
@@ -70,11 +69,16 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
         run = await demo.drive_engine(store, trace, compute_s, max_tokens,
                                       expert_bytes=expert_bytes, layer_map=layer_map)
         wall = time.perf_counter() - t0
+        store.end_turn()  # the trace's last turn ends: the growth rule's final decision
         s = store.stats()
+    growth = s["budget_growth"]
     return {
         "policy": policy,
-        "cycles": float(cycles),
-        "budget_bytes": budget,
+        "cycles": float(cycles) if growth is None else s["budget_cycles"],
+        "budget_bytes": s["budget_bytes"],
+        "auto": growth is not None,
+        "start_cycles": float(cycles),
+        "budget_growth": growth,
         "requests": run.requests,
         "decode_hit": run.decode_hits / run.decode_requests if run.decode_requests else 0.0,
         "byte_hit": run.hit_bytes / run.requested_bytes if run.requested_bytes else 0.0,
@@ -107,11 +111,14 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                       policies: Sequence[str], *, compute_ms: float = DEFAULT_COMPUTE_MS,
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                       folder: Path | None = None, scale: int = demo.SCALE,
-                      on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+                      on_run: Callable[[str], None] | None = None,
+                      auto: bool = False) -> dict[str, Any]:
     """Every policy at every budget against the trace's checkpoint, with real reads.
 
     ``folder``: where the checkpoint is built or found (default: the cache folder, as for
-    ``iosched demo``).  ``cold``: drop it from the page cache before each run.
+    ``iosched demo``).  ``cold``: drop it from the page cache before each run.  ``auto``: one
+    more run per policy with ``budget_bytes="auto"`` (it opens at ``auto_start_cycles`` and
+    grows, ``iosched/_growth.py``); its row's ``cycles`` is the budget it ended with.
     """
     reject_offline(policies, "with real I/O")
     if compute_ms < 0 or (max_tokens is not None and max_tokens <= 0):
@@ -127,11 +134,15 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
     td = trace.k * sum(by_layer.values())
     results: list[dict[str, Any]] = []
-    for c in cycles:
-        budget = max(1, int(c * td))
+    arms: list[tuple[float, int | str]] = [(c, max(1, int(c * td))) for c in cycles]
+    if auto:
+        from iosched import _settings
+
+        arms.append((float(_settings.get("auto_start_cycles")), "auto"))
+    for c, budget in arms:
         for name in policies:
             if on_run is not None:
-                on_run(f"{name} @ {c:g} cycles")
+                on_run(f"{name} @ {c:g} cycles{' (auto)' if budget == 'auto' else ''}")
             results.append(await _one_real_run(
                 ckpt, index.files, trace, name, c, budget, compute_ms / 1e3, backend,
                 max_tokens, expert_bytes, layer_map, cold))
@@ -252,7 +263,9 @@ def real_table(out: dict[str, Any]) -> Any:
                 "MB read", "tokens/s"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in out["results"]:
-        table.add_row(r["policy"], f"{r['cycles']:g}", f"{100 * r['decode_hit']:.1f}",
+        td = (f"auto {r['start_cycles']:g}→{r['cycles']:.3g}" if r.get("auto")
+              else f"{r['cycles']:g}")
+        table.add_row(r["policy"], td, f"{100 * r['decode_hit']:.1f}",
                       f"{100 * r['byte_hit']:.1f}", f"{r['felt_wait_per_token_ms']:.2f}",
                       f"{r['service_s']:.2f}", f"{r['bytes_read'] / 1e6:.1f}",
                       f"{r['tokens_per_s']:.1f}")

@@ -35,8 +35,10 @@ Without ``--simulate`` the trace is replayed with real reads against a checkpoin
 shape, and ``--train A`` seeds each policy with trace A before measuring it on TRACE, reported
 beside a cold arm: both in ``tools/engine_replay.py``.
 
-Not implemented: the "call row layer expert:gate ..." text trace format mentioned in issue #5, whose exact
-definition is nowhere in the project or the shared folder.
+TRACE is either format: a ``route_trace v1`` CSV (``tools/trace.py``) or the ``call row layer
+expert:gate ...`` text that engines emit (``tools/calltrace.py``), told apart by the first line;
+the text may carry no sizes, so ``--expert-bytes N`` gives one expert's size for it (else 1 MiB
+is assumed, and the output says ``sizes_assumed``).
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ from residency.lfu import LFUPolicy
 from residency.moe import MoEPolicy
 
 from ._progress import run_progress
+from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
 from .trace import (
     PHASE_DECODE,
     RouteTrace,
     TraceError,
     bundled_trace_names,
     load_bundled_trace,
-    load_route_trace,
+    load_route_trace_text,
+    read_trace_text,
 )
 
 DEFAULT_CYCLES = "0.5,1,2,4,8"
@@ -89,6 +93,9 @@ LIBCACHESIM_ALGOS: tuple[str, ...] = ("LRU", "LFU", "ARC", "S3FIFO", "Sieve", "W
 next access time, as its oracle traces carry)."""
 
 _INT64_MAX = (1 << 63) - 1
+
+SIZES_ASSUMED_NOTE = (f"expert sizes assumed ({DEFAULT_EXPERT_BYTES // 2**20} MiB each: the trace "
+                      "gives none; --expert-bytes sets them), so bytes and budgets are nominal")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,15 +148,49 @@ def shape_of(trace: RouteTrace) -> ModelShape:
                       experts_per_token=trace.k, expert_bytes=dict(trace.expert_bytes))
 
 
-def load_trace(spec: str) -> RouteTrace:
-    """A route_trace v1 file (``.gz`` read via gzip) or the name of a bundled trace."""
+def load_trace(spec: str, expert_bytes: int | None = None) -> RouteTrace:
+    """A trace file (``.gz`` read via gzip) or the name of a bundled trace.
+
+    The file's first non-blank line tells the format: ``# route_trace ...`` is a
+    ``route_trace v1`` CSV, otherwise it is a call trace (``tools/calltrace.py``) whose first
+    line that is not a comment must look like ``<call> <row> <layer> <expert>:<gate>``.
+    ``expert_bytes`` (``--expert-bytes``) is one expert's size for a call trace without
+    ``# layer=`` lines; a CSV's header always gives sizes, so with a CSV it is an error.
+    """
     if os.path.exists(spec) or os.sep in spec or spec.endswith((".csv", ".gz")):
-        return load_route_trace(spec)
+        source, text = read_trace_text(spec)
+        if _sniff(source, text) == "csv":
+            _no_expert_bytes(source, expert_bytes)
+            return load_route_trace_text(text, source)
+        return load_call_trace_text(text, source, expert_bytes)
     names = bundled_trace_names()
     if spec in names:
+        _no_expert_bytes(spec, expert_bytes)
         return load_bundled_trace(spec)
     raise TraceError(f"{spec}: no such trace file, and no bundled trace of that name "
                      f"(bundled: {', '.join(names) if names else 'none'})")
+
+
+def _no_expert_bytes(source: str, expert_bytes: int | None) -> None:
+    if expert_bytes is not None:
+        raise TraceError(f"{source}: --expert-bytes applies to call traces only; this is a "
+                         "route_trace v1 CSV, whose header gives every layer's expert_bytes")
+
+
+def _sniff(source: str, text: str) -> str:
+    """``"csv"`` or ``"call"``: which parser reads ``text`` (see :func:`load_trace`)."""
+    lines = [line.strip() for line in text.split("\n")]
+    if next((line for line in lines if line), "").startswith("# route_trace"):
+        return "csv"
+    for lineno, line in enumerate(lines, 1):
+        if line and not line.startswith("#"):
+            if is_call_line(line):
+                return "call"
+            raise TraceError(f"{source}:{lineno}: neither trace format matched: not a "
+                             "route_trace v1 CSV (first line '# route_trace v1') nor a call "
+                             f"trace (lines '<call> <row> <layer> <expert>:<gate> ...'); got "
+                             f"{line[:80]!r}")
+    return "call"  # blank or comments only: the call parser reports the empty trace
 
 
 def policy_names() -> list[str]:
@@ -504,6 +545,7 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
         "requests": len(reqs),
         "decode_requests": sum(reqs.decode),
         "distinct_experts": len(set(reqs.keys)),
+        "sizes_assumed": trace.sizes_assumed,
     }
     if lcs_version is not None:
         out["libcachesim_version"] = lcs_version
@@ -524,7 +566,8 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE",
-                   help="a route_trace v1 CSV (.gz read via gzip), or a bundled trace: qwen, gemma")
+                   help="a route_trace v1 CSV or a 'call row layer expert:gate ...' text trace "
+                        "(.gz read via gzip), or a bundled trace: qwen, gemma")
     p.add_argument("--simulate", action="store_true",
                    help="replay through the residency table in virtual time, without I/O "
                         "(default: real reads against a checkpoint built to the trace's shape)")
@@ -547,6 +590,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "before measuring it on TRACE; seeded and cold arms are reported apart")
     p.add_argument("--eval", metavar="B", default=None,
                    help="the trace measured with --train (default and must-match: TRACE)")
+    p.add_argument("--expert-bytes", type=int, default=None, metavar="N",
+                   help="bytes of one expert, for a call trace whose header has no '# layer=' "
+                        "lines (default: 1 MiB, reported as sizes_assumed); an error with a "
+                        "route_trace v1 CSV, whose header gives the sizes")
     p.add_argument("--compute-ms", type=float, default=1.0,
                    help="real I/O: emulated compute per layer in ms (default 1)")
     p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
@@ -555,6 +602,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=int, default=16,
                    help="real I/O: experts this many times smaller than Qwen3-30B-A3B's in each "
                         "dimension (default 16, 36 KiB; 2 gives 2.25 MiB, a real Q4 expert's size)")
+    p.add_argument("--auto-budget", action="store_true",
+                   help='real I/O: one more run per policy with budget_bytes="auto", which opens at '
+                        "auto_start_cycles and grows while the felt wait a larger budget would have "
+                        "saved exceeds the memory-stall time (its row: the budget it ended with)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -581,13 +632,23 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
                          "the measured trace is TRACE (--eval may repeat it)")
     cycles = parse_cycles(args.cycles)
     policies = parse_policies(args.policy)
-    train, ev = load_trace(args.train), load_trace(args.trace)
+    train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
         out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
                                        prefetch_width=args.prefetch_width)
+    out["sizes_assumed"] = train.sizes_assumed or ev.sizes_assumed
     if not args.json:
         _print_table(engine_replay.train_eval_table(out))
+        if out["sizes_assumed"]:
+            _print_note(SIZES_ASSUMED_NOTE)
     return out
+
+
+def _print_note(text: str) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    Console().print(Text(text, style="dim"))
 
 
 def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
@@ -600,14 +661,15 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     engine_replay.reject_offline(policies, "with real I/O")
     if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, args.expert_bytes)
     width = (contextlib.nullcontext() if args.prefetch_width is None
              else _settings.override(prefetch_width=args.prefetch_width))
-    with run_progress("replay", len(policies) * len(cycles)) as on_run, width:
+    runs = len(policies) * (len(cycles) + int(getattr(args, "auto_budget", False)))
+    with run_progress("replay", runs) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
-            on_run=on_run))
+            on_run=on_run, auto=getattr(args, "auto_budget", False)))
     if not args.json:
         _print_table(engine_replay.real_table(out))
     return out
@@ -622,11 +684,17 @@ def _check_prefetch_args(args: argparse.Namespace) -> None:
     if tb is not None and not args.simulate:
         raise StoreError("--token-budget applies to --simulate (the real-I/O replay has the store's "
                          "own token_budget_bytes)")
+    if getattr(args, "auto_budget", False) and args.simulate:
+        raise StoreError('--auto-budget needs real I/O (drop --simulate): budget_bytes="auto" grows '
+                         "on the felt wait the store measures")
 
 
 def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     """The ``replay`` subcommand; returns the JSON object."""
     _check_prefetch_args(args)
+    args.expert_bytes = getattr(args, "expert_bytes", None)
+    if args.expert_bytes is not None and args.expert_bytes < 1:
+        raise StoreError(f"--expert-bytes must be a positive number of bytes, got {args.expert_bytes}")
     if getattr(args, "train", None) is not None:
         return _cmd_train_eval(args)
     if getattr(args, "eval", None) is not None:
@@ -637,7 +705,7 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     if args.compare_libcachesim:
         libcachesim_module()  # fail before the trace is parsed
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, args.expert_bytes)
 
     runs = (len(policies) + (len(LIBCACHESIM_ALGOS) if args.compare_libcachesim else 0)) * len(cycles)
     with run_progress("replay", runs) as on_run:
@@ -678,6 +746,8 @@ def result_table(out: dict[str, Any]) -> Any:
     note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
             f"{out['requests']} requests ({out['decode_requests']} decode), "
             f"{out['distinct_experts']} distinct experts")
+    if out.get("sizes_assumed"):
+        note += f"; {SIZES_ASSUMED_NOTE}"
     return Group(table, Text(note, style="dim"))
 
 

@@ -37,6 +37,11 @@ would issue the requests. Decode token indices (``req_token``) run over all turn
 
 Parsing errors raise :class:`TraceError` (a :class:`~iosched._errors.StoreError`) whose
 message names the file and the 1-based line number, so a bad trace can be fixed by hand.
+
+The other input format, the ``call row layer expert:gate ...`` text that engines emit, is
+read by ``tools/calltrace.py`` into the same :class:`RouteTrace` with the same sequence
+rules; it shares this module's header vocabulary and helpers (:func:`header_kv`,
+:func:`header_int`, :func:`read_trace_text`, :func:`trace_error`).
 """
 
 from __future__ import annotations
@@ -61,9 +66,13 @@ __all__ = [
     "TraceError",
     "bundled_trace_names",
     "bundled_trace_path",
+    "header_int",
+    "header_kv",
     "load_bundled_trace",
     "load_route_trace",
     "load_route_trace_text",
+    "read_trace_text",
+    "trace_error",
 ]
 
 PHASE_PREFILL = 0
@@ -87,9 +96,44 @@ class TraceError(StoreError):
     """A routing trace is missing or malformed; the message names the file and the line."""
 
 
-def _fail(source: str, lineno: int | None, what: str) -> TraceError:
+def trace_error(source: str, lineno: int | None, what: str) -> TraceError:
+    """A :class:`TraceError` whose message starts ``source:lineno: `` (``source: `` when the
+    line is unknown): the form every trace parser in ``tools`` reports in."""
     where = f"{source}:{lineno}" if lineno is not None else source
     return TraceError(f"{where}: {what}")
+
+
+def header_kv(source: str, lineno: int, body: str) -> dict[str, str]:
+    """The ``key=value`` pairs of a header comment's body (the text after ``#``).
+
+    A value runs to the whitespace before the next ``key=``, so it may contain spaces (a
+    model path). A part without ``=`` or a key given twice is a :class:`TraceError` at
+    ``source:lineno``.
+    """
+    out: dict[str, str] = {}
+    for part in _KV_SPLIT.split(body.strip()):
+        key, sep, value = part.partition("=")
+        if not sep or not _KEY.fullmatch(key):
+            raise trace_error(source, lineno,
+                              f"malformed header: expected key=value, got {part!r}")
+        if key in out:
+            raise trace_error(source, lineno, f"malformed header: key {key!r} given twice")
+        out[key] = value.strip()
+    return out
+
+
+def header_int(source: str, lineno: int, kv: dict[str, str], key: str, minimum: int) -> int:
+    """``kv[key]`` as an integer of at least ``minimum``, else a :class:`TraceError`."""
+    if key not in kv:
+        raise trace_error(source, lineno, f"malformed header: missing {key}=")
+    try:
+        value = int(kv[key])
+    except ValueError:
+        raise trace_error(source, lineno, f"malformed header: {key}={kv[key]!r} is not an "
+                                          "integer") from None
+    if value < minimum:
+        raise trace_error(source, lineno, f"malformed header: {key}={value} is below {minimum}")
+    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +179,11 @@ class RouteTrace:
     counted across all turns)."""
     req_turn: I32
     """The ``turn`` value of the request."""
+    sizes_assumed: bool = False
+    """True when the trace gave no expert sizes and nobody else did either, so every
+    ``expert_bytes`` is a uniform default (a call trace without ``# layer=`` lines, read
+    without ``expert_bytes=``): byte figures then describe that assumption, not the model.
+    A ``route_trace v1`` CSV always gives its sizes."""
 
     @property
     def td_bytes(self) -> int:
@@ -190,6 +239,13 @@ def load_route_trace(path: str | os.PathLike[str]) -> RouteTrace:
     I/O and decoding failures are reported as :class:`TraceError` too, so a caller handles
     one exception type for "this trace cannot be used".
     """
+    source, text = read_trace_text(path)
+    return load_route_trace_text(text, source)
+
+
+def read_trace_text(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(source, text)`` of a trace file of either format; a name ending in ``.gz`` is read
+    via gzip. A file that cannot be read or decoded is a :class:`TraceError` naming it."""
     source = os.fspath(path)
     try:
         if source.endswith(".gz"):
@@ -199,8 +255,8 @@ def load_route_trace(path: str | os.PathLike[str]) -> RouteTrace:
             with open(source, encoding="utf-8", newline="") as fh:
                 text = fh.read()
     except (OSError, EOFError, UnicodeDecodeError) as exc:
-        raise _fail(source, None, f"cannot read trace: {exc}") from exc
-    return load_route_trace_text(text, source)
+        raise trace_error(source, None, f"cannot read trace: {exc}") from exc
+    return source, text
 
 
 def load_route_trace_text(text: str, source: str) -> RouteTrace:
@@ -232,13 +288,13 @@ def load_bundled_trace(name: str = "qwen") -> RouteTrace:
     return load_route_trace(bundled_trace_path(name))
 
 
-def _ro32(x: npt.NDArray[np.int64]) -> I32:
+def read_only_i32(x: "npt.ArrayLike") -> I32:
     out = np.ascontiguousarray(x, dtype=np.int32)
     out.setflags(write=False)
     return out
 
 
-def _ro8(x: npt.NDArray[np.int64]) -> I8:
+def read_only_i8(x: "npt.ArrayLike") -> I8:
     out = np.ascontiguousarray(x, dtype=np.int8)
     out.setflags(write=False)
     return out
@@ -253,32 +309,15 @@ class _Parser:
         self.lines = text.replace("\r\n", "\n").split("\n")
 
     def err(self, lineno: int | None, what: str) -> TraceError:
-        return _fail(self.source, lineno, what)
+        return trace_error(self.source, lineno, what)
 
     # -- header ------------------------------------------------------------------------
 
     def _kv(self, lineno: int, body: str) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for part in _KV_SPLIT.split(body.strip()):
-            key, sep, value = part.partition("=")
-            if not sep or not _KEY.fullmatch(key):
-                raise self.err(lineno, f"malformed header: expected key=value, got {part!r}")
-            if key in out:
-                raise self.err(lineno, f"malformed header: key {key!r} given twice")
-            out[key] = value.strip()
-        return out
+        return header_kv(self.source, lineno, body)
 
     def _int(self, lineno: int, kv: dict[str, str], key: str, minimum: int) -> int:
-        if key not in kv:
-            raise self.err(lineno, f"malformed header: missing {key}=")
-        try:
-            value = int(kv[key])
-        except ValueError:
-            raise self.err(lineno, f"malformed header: {key}={kv[key]!r} is not an integer"
-                           ) from None
-        if value < minimum:
-            raise self.err(lineno, f"malformed header: {key}={value} is below {minimum}")
-        return value
+        return header_int(self.source, lineno, kv, key, minimum)
 
     def parse(self) -> RouteTrace:
         lines = self.lines
@@ -503,10 +542,10 @@ class _Parser:
             layers=layers,
             turns=tuple(int(t) for t in np.unique(turn)),
             n_rows=len(rows),
-            req_layer=_ro32(s_layer[keep]),
-            req_expert=_ro32(s_expert[keep]),
-            req_phase=_ro8(s_phase[keep]),
-            req_batch=_ro32(np.cumsum(nb) - 1),
-            req_token=_ro32(token[keep]),
-            req_turn=_ro32(s_turn[keep]),
+            req_layer=read_only_i32(s_layer[keep]),
+            req_expert=read_only_i32(s_expert[keep]),
+            req_phase=read_only_i8(s_phase[keep]),
+            req_batch=read_only_i32(np.cumsum(nb) - 1),
+            req_token=read_only_i32(token[keep]),
+            req_turn=read_only_i32(s_turn[keep]),
         )
