@@ -106,6 +106,8 @@ class BudgetGrowth:
         self.grown_cycles = 0
         self.ghost_hits = 0
         self.last: GrowthDecision | None = None
+        self.trajectory: list[tuple[str, int]] = []
+        """(reason, budget after) of each decision that grew the budget, in order."""
 
     def _n_bands(self) -> int:
         return max(1, -(-self._bound // self.td))
@@ -159,6 +161,8 @@ class BudgetGrowth:
         self.decisions += 1
         self.grown_cycles += add
         self.last = decision
+        if add:
+            self.trajectory.append((reason, decision.budget_after))
         self._bound = decision.budget_after
         self._bands = [0.0] * self._n_bands()
         self._epoch_start = self._evicted
@@ -171,6 +175,7 @@ class BudgetGrowth:
             "grown_cycles": self.grown_cycles,
             "ghost_hits": self.ghost_hits,
             "ghost_bytes": self.ghost_bytes,
+            "grown_to": [{"reason": r, "budget_bytes": b} for r, b in self.trajectory],
             "last": None if last is None else {
                 "reason": last.reason, "budget_before": last.budget_before,
                 "budget_after": last.budget_after, "added_cycles": last.added_cycles,

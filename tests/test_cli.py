@@ -46,6 +46,26 @@ def test_bad_input_is_one_json_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "mixtral" in out["error"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["replay", "--json"],                                # a required argument missing
+    ["bench", "--seconds", "abc", "--json"],             # a value of the wrong type
+    ["demo", "--budget-cycles", "x", "--json"],
+    ["--json"],                                          # no subcommand at all
+])
+def test_usage_errors_are_one_json_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # exactly one JSON object, as the contract promises
+    assert out["type"] == "UsageError" and out["error"].startswith("iosched")
+
+
+def test_usage_error_without_json_names_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: iosched replay" in captured.err and "TRACE" in captured.err
+
+
 def test_hitpath_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hitpath", "--json", "--n", "200", "--reps", "1"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -72,6 +72,7 @@ def test_grows_by_the_prefix_that_pays_for_itself() -> None:
     assert d.cost_s == pytest.approx(0.1)
     assert d.benefit_s == (0.05, 0.4)
     assert g.stats()["grown_cycles"] == 2
+    assert g.stats()["grown_to"] == [{"reason": "end_turn", "budget_bytes": 400}]
 
 
 def test_no_growth_when_the_cost_exceeds_the_benefit() -> None:

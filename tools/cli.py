@@ -11,11 +11,29 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence, cast
 
 from iosched import StoreError
 
 from . import _runner
+
+
+class UsageError(StoreError):
+    """The command line itself is wrong: a missing argument, a value of the wrong type."""
+
+    usage = ""
+    """The usage line of the (sub)command that was misused."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error raises :class:`UsageError` instead of exiting, so
+    that ``--json`` callers get the one JSON object they were promised for that error too.
+    ``add_subparsers`` builds the subcommands' parsers with this class as well."""
+
+    def error(self, message: str) -> NoReturn:
+        exc = UsageError(f"{self.prog}: {message}")
+        exc.usage = self.format_usage()
+        raise exc
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -23,8 +41,11 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iosched", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="iosched", description=__doc__.splitlines()[0])
+    # The subcommands' parsers are _Parser too (argparse uses the parent's class); the modules
+    # that register them take the plain type.
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               parser.add_subparsers(dest="command", required=True))
 
     demo = sub.add_parser("demo", help="replay a bundled real routing trace through the store")
     demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
@@ -63,7 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        if "--json" in argv:
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        else:
+            print(f"{exc.usage}error: {exc}", file=sys.stderr, end="\n")
+        return 2
     func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
     try:
         result = func(args)

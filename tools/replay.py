@@ -558,7 +558,8 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register ``iosched replay`` on ``sub`` (``tools/cli.py``'s subparsers)."""
-    p = sub.add_parser("replay", help="replay a routing trace through the residency policies (no I/O)",
+    p = sub.add_parser("replay", help="replay a routing trace through the residency policies "
+                                      "(real reads; --simulate: no I/O)",
                        description=__doc__.splitlines()[0] if __doc__ else None)
     _add_arguments(p)
     p.set_defaults(func=cmd_replay)
