@@ -66,3 +66,9 @@ class IdlePacer:
         self.allowance -= nbytes
         self.granted_bytes += nbytes
         return True
+
+    def refund(self, nbytes: int) -> None:
+        """Give back what :meth:`take` granted to a prefetch that did not start (the policy's
+        eviction guard refused it, or no room could be made): it read nothing."""
+        self.allowance += nbytes
+        self.granted_bytes -= nbytes

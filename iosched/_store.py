@@ -417,7 +417,10 @@ class ExpertStore:
         (its eviction guard, ``admit_prefetch``).  Never blocks; returns how many loads it
         started.  Unknown keys raise before any load starts."""
         self._check_open()
-        layouts = [self._layout_of(key) for key in keys]
+        return len(self._prefetch([self._layout_of(key) for key in keys]))
+
+    def _prefetch(self, layouts: list[ExpertLayout]) -> list[ExpertKey]:
+        """:meth:`prefetch` of known layouts; returns the keys whose loads it started."""
         wanted: dict[ExpertKey, ExpertLayout] = {}
         planned = self._speculative_bytes
         for layout in layouts:
@@ -430,7 +433,7 @@ class ExpertStore:
             planned += layout.nbytes
             wanted[layout.key] = layout
         entries = self._table.reserve_speculative_many([(k, lay.nbytes) for k, lay in wanted.items()])
-        started = 0
+        started: list[ExpertKey] = []
         for layout, entry in zip(wanted.values(), entries):
             if entry is None:  # no room without a leased/pinned/loading victim, or the
                 self._prefetch_dropped += 1  # policy's eviction guard refused
@@ -438,8 +441,8 @@ class ExpertStore:
             self._speculative_bytes += layout.nbytes
             self._start_load(entry, layout, PREFETCH)
             self._unused_prefetch[layout.key] = entry
-            started += 1
-        self._prefetch_issued += started
+            started.append(layout.key)
+        self._prefetch_issued += len(started)
         return started
 
     def _batch_done(self) -> None:
@@ -459,17 +462,24 @@ class ExpertStore:
     def _prefetch_proposed(self, keys: list[ExpertKey]) -> None:
         if self._closed:
             return
-        known = [key for key in keys if key in self._layouts]  # a shape's key the checkpoint lacks
-        pacer = self._pacer
-        if pacer is not None:  # only what the drives' idle time can absorb (iosched/_pacing.py)
-            paced = []
-            for key in known:
-                entry = self._table.get(key)
-                if entry is None and not pacer.take(self._layouts[key].nbytes):
-                    break
-                paced.append(key)
-            known = paced
-        self.prefetch(known)
+        layouts = [self._layouts[key] for key in keys if key in self._layouts]  # a shape's key
+        pacer = self._pacer                                                    # the checkpoint lacks
+        if pacer is None:
+            self._prefetch(layouts)
+            return
+        # Only what the drives' idle time can absorb (iosched/_pacing.py); what the guard then
+        # refuses read nothing and goes back to the allowance.
+        charged: list[ExpertLayout] = []
+        for layout in layouts:
+            if self._table.get(layout.key) is not None:
+                continue  # resident or loading: costs nothing, and prefetch skips it
+            if not pacer.take(layout.nbytes):
+                break
+            charged.append(layout)
+        started = set(self._prefetch(charged))
+        for layout in charged:
+            if layout.key not in started:
+                pacer.refund(layout.nbytes)
 
     def hint(self, keys: Iterable[ExpertKey]) -> int:
         """Ask the kernel to start reading experts into the page cache (``posix_fadvise``

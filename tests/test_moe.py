@@ -275,6 +275,9 @@ def test_idle_pacer_allows_what_idle_time_could_have_read() -> None:
     assert 290_000_000 <= allowance <= 310_000_000
     assert pacer.take(200_000_000) and not pacer.take(200_000_000)
     assert pacer.refused == 1 and pacer.granted_bytes == 200_000_000
+    left = pacer.allowance
+    pacer.refund(200_000_000)  # the guard refused that prefetch: it read nothing
+    assert pacer.allowance == left + 200_000_000 and pacer.granted_bytes == 0
     pacer._mark -= 1.0  # an interval with no reads: idle 1 s at the remembered bandwidth
     assert 190_000_000 <= pacer.interval_done() <= 210_000_000
 
