@@ -154,6 +154,9 @@ class ExpertStore:
         self._policy_name = policy_name
         policy, self._policy_fallback = _build_policy(policy_name, index)
         self._prefetching = callable(getattr(policy, "end_batch", None))
+        self._prepare: Callable[[], None] | None = getattr(policy, "prepare", None)
+        self._batch_end_at: int | None = None
+        """``requests`` when the last ``acquire_many`` completed, until the policy was told."""
         self._on_wait: Callable[[Hashable, float], None] | None = getattr(policy, "on_wait", None)
         self._table = ResidencyTable(budget_bytes, policy, self._on_evict,
                                      transient_bytes=_transient_bytes(policy, index, budget_bytes))
@@ -377,6 +380,9 @@ class ExpertStore:
         self._wake_room()
         while self._loads:
             await asyncio.gather(*list(self._loads), return_exceptions=True)
+        if self._batch_end_at == self._requests:  # the last batch ended, the policy not yet told
+            self._batch_end_at = None
+            self._table.policy.end_batch()  # type: ignore[attr-defined]
         if self._history_path is not None and self._history_loaded is not None:
             arrays = self._table.policy.history()  # type: ignore[attr-defined]
             await asyncio.to_thread(_history.save, self._history_path, arrays)
@@ -449,15 +455,27 @@ class ExpertStore:
         """An ``acquire_many`` holds all its leases: the engine computes on this layer now, so
         this is when the policy's predicted experts of the next layer are worth loading."""
         if self._prefetching and not self._closed:
-            if self._pacer is not None:
-                self._pacer.interval_done()
-            wanted = self._table.policy.end_batch()  # type: ignore[attr-defined]
-            if wanted:
-                self._policy_prefetches += 1
-                # The reservations (the guard weighs each against its victims) run at the
-                # engine's next await, not before it gets this layer's views: they cost tens
-                # of microseconds each, and the engine should be computing meanwhile.
-                asyncio.get_running_loop().call_soon(self._prefetch_proposed, wanted)
+            # All of the policy's batch-end work (learning, predicting, the reservations its
+            # guard weighs, ranking the next batch's victims) runs at the engine's next await,
+            # not before it gets this layer's views: together they cost a few hundred
+            # microseconds per batch, and the engine should be computing meanwhile.
+            self._batch_end_at = self._requests
+            asyncio.get_running_loop().call_soon(self._policy_batch_end)
+
+    def _policy_batch_end(self) -> None:
+        if self._closed or self._batch_end_at != self._requests:
+            return  # the next batch began first: the policy closed this one itself, and
+            # prefetches for the layer now being requested would come too late
+        self._batch_end_at = None
+        if self._pacer is not None:
+            self._pacer.interval_done()
+        policy = self._table.policy
+        wanted = policy.end_batch()  # type: ignore[attr-defined]
+        if wanted:
+            self._policy_prefetches += 1
+            self._prefetch_proposed(wanted)
+        if self._prepare is not None:
+            self._prepare()
 
     def _prefetch_proposed(self, keys: list[ExpertKey]) -> None:
         if self._closed:

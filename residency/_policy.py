@@ -19,9 +19,10 @@ transiently (see :class:`residency.ResidencyTable`'s ``transient_bytes``).
 Optional hooks, called by the table only when the policy has them (so they are not part of
 the structural protocol, and LRU/LFU/Belady need not define them):
 
-* ``set_budget(budget_bytes: int) -> None``: called once at table construction with the
-  bytes admitted entries may use (the budget less the transient slot); a policy that sizes
-  segments in bytes (W-TinyLFU's window and protected region) takes it from here;
+* ``set_budget(budget_bytes: int) -> None``: called at table construction with the bytes
+  admitted entries may use (the budget less the transient slot), and again when the budget
+  grows (``ResidencyTable.grow``); a policy that sizes segments in bytes (W-TinyLFU's window
+  and protected region) takes it from here;
 * ``uses_admission: bool`` (class attribute): the policy may reject misses, so a driver
   should give the table a transient slot (``tools/replay.py`` does);
 * ``set_shape(shape: ModelShape) -> None``: called by the driver (the store from its
@@ -30,9 +31,12 @@ the structural protocol, and LRU/LFU/Belady need not define them):
 * ``admit_prefetch(key, nbytes, victims) -> bool``: asked instead of ``admit`` for a
   speculative load (``ResidencyTable.reserve(..., speculative=True)``); refusing leaves the
   table untouched (the eviction guard: a prefetch must not displace what is worth more);
-* ``proposals() -> list[Key]``: keys the policy wants loaded ahead of demand, best first,
-  asked by the driver after each batch of requests (one layer of one token); the driver
-  issues them as speculative loads within its bytes-moved budget;
+* ``end_batch() -> list[Key]``: the batch of requests just made (one layer of one token) is
+  complete; returns the keys the policy wants loaded ahead of demand, best first, which the
+  driver issues as speculative loads within its bytes-moved budget;
+* ``prepare() -> None``: called by the driver after ``end_batch`` and its speculative loads,
+  while the engine computes: precompute what the next batch's misses will ask (``moe``
+  ranks its victims for the coming layer here, so no miss waits for that sort);
 * ``on_wait(key, seconds) -> None``: the felt wait of a demand miss (time the engine spent
   awaiting it), for a policy that weighs misses by their measured cost.
 """

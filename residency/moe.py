@@ -138,6 +138,10 @@ class MoEPolicy:
         self._small_pairs: list[tuple[float, int]] = []
         self._small_key: tuple[int, tuple[int, int] | None] | None = None
         self._order_version = -1
+        self._order_cursor = -1
+        """The cursor the order was ranked for (distances count from it): an order ranked
+        between batches (``prepare``, or a prefetch's victims) is stale once the next batch
+        moves the cursor, even though no density changed."""
         self._in_order = np.zeros(L * E, dtype=bool)
         self._appended: list[int] = []
         self._next_value: F64 | None = None
@@ -203,8 +207,8 @@ class MoEPolicy:
         of the next layer) come from the small list or at the end.
         """
         self._refresh()
-        if self._order_version != self._version:
-            self._sort_victims()
+        if self._order_version != self._version or self._order_cursor != self._cursor():
+            self._sort_victims(self._cursor())
         E, L, layers = self._E, self._L, self._layers
         resident = self._resident.ravel()
         small = self._next_layer_order()
@@ -249,20 +253,31 @@ class MoEPolicy:
             self._small_key = key
         return self._small_pairs
 
-    def _sort_victims(self) -> None:
+    def prepare(self) -> None:
+        """Between batches (the store calls it while the engine computes): rank the victims
+        for the coming batch, the next layer's, so that its first miss does not pay for the
+        sort on the engine's critical path.  The layer visited next is the cursor's successor
+        (every token visits the layers in order); if another comes, ``victims`` re-ranks."""
+        if self._shape is None or self._batch:
+            return
+        cursor = (self._cursor() + 1) % self._L
+        if self._order_version != self._version or self._order_cursor != cursor:
+            self._sort_victims(cursor)
+
+    def _sort_victims(self, cursor: int) -> None:
         """Rank the resident experts of every layer but the next by density (see victims):
         the ``HEAD`` lowest sorted now, the rest only if a walk gets past them (rare: a miss
         needs one victim, a batch's prefetches a few), since a full sort of thousands of
         experts per batch cost more than the rest of the policy together (measured in the
         demo: 150 us per sort, 35 sorts per token)."""
         E = self._E
-        nxt = (self._cursor() + 1) % self._L
+        nxt = (cursor + 1) % self._L
         idx = np.flatnonzero(self._resident)
         rows = idx // E
         idx = idx[rows != nxt]
         rows = idx // E
         vals = (self._num.ravel()[idx] * self._cost[rows]
-                / ((self._distance()[rows] + self._ext.ravel()[idx]) * self._size.ravel()[idx]))
+                / ((self._distance(cursor)[rows] + self._ext.ravel()[idx]) * self._size.ravel()[idx]))
         pend = self._pending.ravel()[idx]
         vals = np.where(np.isnan(pend), vals, pend)
         head = min(idx.size, 4 * self._k + 8)
@@ -278,6 +293,7 @@ class MoEPolicy:
         self._in_order[idx] = True
         self._appended = []
         self._order_version = self._version
+        self._order_cursor = cursor
 
     def _ranked_others(self) -> Iterator[tuple[float, int]]:
         """The sorted head, then (sorted on first need) the rest: every value in the rest is
@@ -466,10 +482,10 @@ class MoEPolicy:
             self._cost = (self._wait_sum + mean) / (self._wait_n + 1.0) / mean
         self._version += 1
 
-    def _distance(self) -> F64:
-        """Layer steps from the cursor to each layer's next visit: 1 for the next layer, L for
+    def _distance(self, cursor: int) -> F64:
+        """Layer steps from ``cursor`` to each layer's next visit: 1 for the next layer, L for
         the cursor's own."""
-        out: F64 = ((self._arange_L - self._cursor() - 1) % self._L + 1).astype(np.float64)
+        out: F64 = ((self._arange_L - cursor - 1) % self._L + 1).astype(np.float64)
         return out
 
     def _refresh(self) -> None:

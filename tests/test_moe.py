@@ -416,3 +416,64 @@ def test_a_refused_prefetch_leaves_its_victims_to_the_next() -> None:
     assert table.get("a") is None and table.get("b") is not None  # "yes" took a, the first victim
     assert table.refused_prefetches == 1
     table.check()
+
+
+def test_victims_name_every_resident_expert_once_after_an_order_made_between_batches() -> None:
+    """An order ranked between batches (a prefetch's victims, or ``prepare``) counts distances
+    from the layer just served; once the next layer's requests move the cursor it is stale.
+    Whatever happened between batches, ``victims`` must name every resident expert exactly
+    once (a walk that skipped the current layer's experts could find no room)."""
+    policy = moe()
+    table = ResidencyTable(4 * TD, policy)
+    drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]]] * 2)  # everything fits: 16 experts, 32 units
+    resident = {e.key for e in table.entries()}
+    for between in ("victims", "prepare", "both"):
+        policy.on_request((0, 0), UNIT, True)
+        policy.on_request((0, 1), UNIT, True)
+        policy.end_batch()
+        if between in ("victims", "both"):
+            assert set(policy.victims()) == resident  # ranked for the layer just served
+        if between in ("prepare", "both"):
+            policy.prepare()  # ranked for the layer to come
+        policy.on_request((1, 2), UNIT, True)  # the next batch moves the cursor
+        named = list(policy.victims())
+        assert len(named) == len(set(named)) and set(named) == resident, between
+        policy.on_request((1, 3), UNIT, True)
+        named = list(policy.victims())
+        assert len(named) == len(set(named)) and set(named) == resident, between
+        # the batch in progress goes last
+        assert set(named[-2:]) == {(1, 2), (1, 3)}
+        policy.end_batch()
+        for layer, (a, b) in ((2, (4, 5)), (3, (6, 7))):
+            policy.on_request((layer, a), UNIT, True)
+            policy.on_request((layer, b), UNIT, True)
+            policy.end_batch()
+    policy.check(resident)
+
+
+def test_store_runs_the_policys_batch_end_while_the_engine_computes(st_checkpoint: Path) -> None:
+    """The policy's batch-end work (learning, prediction, its prefetches, ranking the next
+    layer's victims) is not on the engine's path: ``acquire_many`` hands out the views first,
+    the work runs at the engine's next await; a batch the engine never awaited after is still
+    learned at ``close``."""
+    import asyncio
+
+    async def main() -> None:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30, policy="default",
+                                          experts_per_token=2) as store:
+            policy = store._table.policy
+            assert isinstance(policy, MoEPolicy)
+            async with store.acquire_many([(0, 0), (0, 1)]):
+                pass
+            for t in range(3):
+                for layer in range(LAYERS):
+                    async with store.acquire_many([(layer, t % EXPERTS), (layer, (t + 1) % EXPERTS)]):
+                        visits = policy._visits.copy()
+                        await asyncio.sleep(0)  # the engine computes
+                        assert policy._visits.sum() == visits.sum() + 1  # this batch was learned
+            async with store.acquire_many([(0, 2), (0, 3)]):
+                pass  # the engine stops here: no await before close
+            visits_before_close = policy._visits.sum()
+        assert policy._visits.sum() == visits_before_close + 1  # that batch too, at close
+
+    asyncio.run(main())

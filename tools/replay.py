@@ -337,7 +337,8 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     ``end_batch`` is told the batch is complete and names the experts it wants loaded ahead;
     each one not in the table is reserved speculatively (the policy's eviction guard may
     refuse) and published at once: a load takes no time here, and an expert that is loading
-    counts as a hit anyway.  ``token_budget_bytes`` caps the bytes prefetched per token, as
+    counts as a hit anyway.  Then a policy with ``prepare`` precomputes for the next batch,
+    as the store lets it while the engine computes.  ``token_budget_bytes`` caps the bytes prefetched per token, as
     the store's setting of that name does (``None``: no cap beyond the policy's own).
     ``check_every``: also re-check the table's invariants every that many requests (tests).
     """
@@ -352,6 +353,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     previous = table.set_on_evict(on_evict)
     policy = table.policy
     end_batch: Callable[[], list[Key]] | None = getattr(policy, "end_batch", None)
+    prepare: Callable[[], None] | None = getattr(policy, "prepare", None)
     first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
     token_prefetch = 0
     flags = out.flags
@@ -401,6 +403,8 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                     out.prefetch_issued += 1
                     out.prefetch_bytes += size
                     token_prefetch += size
+                if prepare is not None:
+                    prepare()  # as the store does, once the batch's prefetches are out
             if check_every and (i + 1) % check_every == 0:
                 table.check()
     finally:
