@@ -235,9 +235,10 @@ class ExpertStore:
         cycles (``k × Σ largest expert per layer``, see ``iosched._sizing``), fewer if fewer fit
         in half of ``MemAvailable``, grown between turns (``end_turn()``, and after each full
         turnover of the budget) while the felt wait a larger budget would have saved exceeds
-        the memory-stall time measured meanwhile (``iosched._growth``). ``experts_per_token`` (k) overrides the checkpoint's own value
-        (``config.json`` / GGUF ``expert_used_count``); ``"auto"`` needs one or the other. An
-        integer budget below one cycle logs a warning: LRU hits nothing below one cycle.
+        the memory-stall time measured meanwhile (``iosched._growth``).  ``experts_per_token``
+        (k) overrides the checkpoint's own value (``config.json`` / GGUF
+        ``expert_used_count``); ``"auto"`` needs one or the other. An integer budget below one
+        cycle logs a warning: LRU hits nothing below one cycle.
 
         ``telemetry`` names a file to write one JSON line per token to (the counters' deltas
         at each ``token_boundary()`` and at ``close()``; see ``docs/telemetry.md``).
@@ -480,8 +481,9 @@ class ExpertStore:
     def _prefetch_proposed(self, keys: list[ExpertKey]) -> None:
         if self._closed:
             return
-        layouts = [self._layouts[key] for key in keys if key in self._layouts]  # a shape's key
-        pacer = self._pacer                                                    # the checkpoint lacks
+        # (a key of the policy's shape that the checkpoint lacks is skipped)
+        layouts = [self._layouts[key] for key in keys if key in self._layouts]
+        pacer = self._pacer
         if pacer is None:
             self._prefetch(layouts)
             return
