@@ -239,19 +239,25 @@ class MoEPolicy:
         so it ranks high anyway."""
         key = (self._order_version, self._next_key)
         if key != self._small_key:
-            E = self._E
-            nxt = (self._cursor() + 1) % self._L
-            if self._next_value is not None:
-                vals = self._next_value
-            else:
-                vals = self._num[nxt] * self._cost[nxt] / ((1.0 + self._ext[nxt]) * self._size[nxt])
-            pend = self._pending[nxt]
-            vals = np.where(np.isnan(pend), vals, pend)
-            idx = np.flatnonzero(self._resident[nxt])
-            order = idx[np.argsort(vals[idx], kind="stable")]
-            self._small_pairs = list(zip(vals[order].tolist(), (order + nxt * E).tolist()))
-            self._small_key = key
+            self._rank_next_layer(self._cursor(), self._next_value, key)
         return self._small_pairs
+
+    def _rank_next_layer(self, cursor: int, predicted: F64 | None,
+                         key: tuple[int, tuple[int, int] | None]) -> None:
+        """Rank the resident experts of the layer after ``cursor`` (by ``predicted`` density,
+        else by class) for :meth:`_next_layer_order`, cached under ``key``."""
+        E = self._E
+        nxt = (cursor + 1) % self._L
+        if predicted is not None:
+            vals = predicted
+        else:
+            vals = self._num[nxt] * self._cost[nxt] / ((1.0 + self._ext[nxt]) * self._size[nxt])
+        pend = self._pending[nxt]
+        vals = np.where(np.isnan(pend), vals, pend)
+        idx = np.flatnonzero(self._resident[nxt])
+        order = idx[np.argsort(vals[idx], kind="stable")]
+        self._small_pairs = list(zip(vals[order].tolist(), (order + nxt * E).tolist()))
+        self._small_key = key
 
     def prepare(self) -> None:
         """Between batches (the store calls it while the engine computes): rank the victims
@@ -263,6 +269,11 @@ class MoEPolicy:
         cursor = (self._cursor() + 1) % self._L
         if self._order_version != self._version or self._order_cursor != cursor:
             self._sort_victims(cursor)
+        # and the layer after it, as victims() will see it once the batch has begun: while a
+        # batch is in progress nothing is predicted (see _refresh), so it ranks by class
+        key = (self._order_version, (cursor, -1))
+        if key != self._small_key:
+            self._rank_next_layer(cursor, None, key)
 
     def _sort_victims(self, cursor: int) -> None:
         """Rank the resident experts of every layer but the next by density (see victims):

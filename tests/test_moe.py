@@ -477,3 +477,31 @@ def test_store_runs_the_policys_batch_end_while_the_engine_computes(st_checkpoin
         assert policy._visits.sum() == visits_before_close + 1  # that batch too, at close
 
     asyncio.run(main())
+
+
+def test_prepare_leaves_the_next_batch_no_ranking_to_do() -> None:
+    """After ``prepare`` the coming batch's misses walk ready orders: neither the sort of every
+    layer nor the ranking of the layer after it runs on the engine's path."""
+    policy = moe()
+    table = ResidencyTable(2 * TD, policy)
+    drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]], [[1, 2], [3, 4], [5, 6], [7, 0]]])
+    calls: list[str] = []
+    sort, rank = policy._sort_victims, policy._rank_next_layer
+
+    def counted_sort(cursor: int) -> None:
+        calls.append("sort")
+        sort(cursor)
+
+    def counted_rank(cursor: int, predicted: Any, key: Any) -> None:
+        calls.append("rank")
+        rank(cursor, predicted, key)
+
+    policy._sort_victims = counted_sort  # type: ignore[method-assign]
+    policy._rank_next_layer = counted_rank  # type: ignore[method-assign]
+    policy.prepare()
+    assert calls == ["sort", "rank"]
+    calls.clear()
+    policy.on_request((0, 3), UNIT, False)  # the next token's first layer: a miss
+    entry = table.reserve((0, 3), UNIT)
+    assert entry is not None and calls == []
+    table.check()
