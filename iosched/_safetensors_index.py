@@ -10,7 +10,7 @@ Every header is validated in full (shape against byte size, bounds, overlaps), n
 expert entries: a header that lies about one tensor cannot be trusted about the others.
 
 Data types: ``BF16`` maps to ``ml_dtypes.bfloat16`` and ``F8_E4M3``/``F8_E5M2`` to the
-``ml_dtypes`` float8 types when ``ml_dtypes`` is importable; without it they map to
+``ml_dtypes`` float8 types (``ml_dtypes`` is a dependency); should it be missing they map to
 ``np.uint16`` / ``np.uint8`` of the same width, so the bytes (and the buffer layout) are
 identical and the caller reinterprets them. Any other unknown dtype on an expert tensor is a
 :class:`CheckpointError`; on a non-expert tensor it is tolerated (we never read it).
@@ -69,7 +69,7 @@ def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
         "C64": np.dtype("<c8"),
         "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
     }  # fmt: skip
-    try:  # optional: exact types for bf16/fp8; same widths either way
+    try:  # a dependency (pyproject.toml); raw bits of the same width if it is missing
         ml_dtypes: Any = importlib.import_module("ml_dtypes")
     except ImportError:
         return out

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -158,7 +159,7 @@ def test_bfloat16_checked_by_the_library_parser(tmp_path: Path) -> None:
     for t in lay.tensors:
         assert parsed[t.source_name]["dtype"] == "BF16"
         assert list(t.shape) == parsed[t.source_name]["shape"]
-        assert t.dtype.itemsize == 2  # ml_dtypes.bfloat16 if installed, else uint16 bits
+        assert t.dtype == np.dtype(ml_dtypes.bfloat16)  # typed: ml_dtypes is a dependency
         assert buf[t.buf_offset : t.buf_offset + t.nbytes] == bytes(parsed[t.source_name]["data"])
 
 
