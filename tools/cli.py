@@ -148,7 +148,10 @@ def _cmd_hitpath(args: argparse.Namespace) -> dict[str, Any]:
         for loop, row in out["loops"].items():
             console.print(f"{loop:8s} acquire+release of a resident expert: "
                           f"median {row['median_us']:.2f} µs (p90 {row['p90_us']:.2f} µs); "
-                          f"acquire_many of {out['k']}: {row['group_of_k_median_us']:.2f} µs")
+                          f"acquire_many of {out['k']}: {row['group_of_k_median_us']:.2f} µs; "
+                          f"with an await between layers, as an engine: "
+                          f"{row['group_awaited_median_us']:.2f} µs (the await: "
+                          f"{row['between_median_us']:.2f} µs)")
     return out
 
 

@@ -8,6 +8,7 @@ noisy neighbour shows up as spread rather than as a wrong median.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import tempfile
 import time
@@ -25,7 +26,7 @@ LAYERS = 8
 structure-aware policy sees one batch per layer (and its once-per-cycle work once in 8)."""
 
 
-async def _one_rep(folder: Path, n: int, k: int, policy: str) -> tuple[float, float]:
+async def _one_rep(folder: Path, n: int, k: int, policy: str) -> tuple[float, float, float, float]:
     async with await ExpertStore.open(folder, budget_bytes=1 << 30, policy=policy,
                                       experts_per_token=k) as store:
         by_layer = [[(layer, e) for e in range(k)] for layer in range(LAYERS)]
@@ -44,36 +45,49 @@ async def _one_rep(folder: Path, n: int, k: int, policy: str) -> tuple[float, fl
             async with store.acquire_many(by_layer[i % LAYERS]):
                 pass
         group = (time.perf_counter() - t0) / groups
-        return single, group
+        # As an engine runs it: an await (its compute) between layers, during which the store
+        # does the policy's batch-end work; only acquire_many itself is on the engine's path.
+        held = awaited = 0.0
+        for i in range(groups):
+            t0 = time.perf_counter()
+            async with store.acquire_many(by_layer[i % LAYERS]):
+                t1 = time.perf_counter()
+                await asyncio.sleep(0)
+                t2 = time.perf_counter()
+            held += (t1 - t0) + (time.perf_counter() - t2)
+            awaited += t2 - t1
+        return single, group, held / groups, awaited / groups
 
 
 def measure_hit_path(n: int = 20000, reps: int = 7, k: int = 6, policy: str = "default") -> dict[str, Any]:
     """Median costs per loop: one ``acquire`` (walking a layer's k experts one by one, layer
     after layer) and one ``acquire_many`` of a layer's k experts, layer after layer; every
     expert resident.  A structure-aware policy's per-batch work is in both, spread over k
-    acquires in the first."""
+    acquires in the first.  Then as an engine runs: ``acquire_many`` with an await between
+    layers (its compute): ``group_awaited_median_us`` is what the engine waits for,
+    ``between_median_us`` the await itself, where the store runs the policy's batch-end work
+    (the CPU it takes from the engine's compute, plus the loop's own turn)."""
     loops: list[tuple[str, Any]] = [("asyncio", None)]
     name, factory = _runner.loop_factory()
     if name == "uvloop":
         loops.append(("uvloop", factory))
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in loops}
+    samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in loops}
     with tempfile.TemporaryDirectory(prefix="iosched-hitpath-") as tmp:
         folder = write_safetensors_moe(tmp, n_layers=LAYERS, n_experts=8, hidden=64, intermediate=32,
                                        dtype="float16")
         for _ in range(reps):
             for loop_name, loop_factory in loops:
-                import asyncio
-
                 samples[loop_name].append(
                     _runner.run(lambda: _one_rep(folder, n, k, policy), loop_factory or asyncio.new_event_loop)
                 )
     out: dict[str, Any] = {"n": n, "reps": reps, "k": k, "policy": policy, "loops": {}}
     for loop_name, rows in samples.items():
-        singles = sorted(1e6 * s for s, _ in rows)
-        groups = sorted(1e6 * g for _, g in rows)
+        singles = sorted(1e6 * row[0] for row in rows)
         out["loops"][loop_name] = {
             "median_us": statistics.median(singles),
             "p90_us": singles[min(len(singles) - 1, int(0.9 * len(singles)))],
-            "group_of_k_median_us": statistics.median(groups),
+            "group_of_k_median_us": statistics.median(1e6 * row[1] for row in rows),
+            "group_awaited_median_us": statistics.median(1e6 * row[2] for row in rows),
+            "between_median_us": statistics.median(1e6 * row[3] for row in rows),
         }
     return out
