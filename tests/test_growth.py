@@ -13,6 +13,7 @@ import pytest
 
 from iosched import _settings, _sizing
 from iosched._growth import BudgetGrowth, psi_memory_some_us
+from iosched._errors import StoreClosed
 from iosched._store import ExpertStore
 from tools.synth import write_safetensors_moe
 
@@ -187,8 +188,11 @@ async def test_store_does_not_grow_past_its_memory_ceiling(
 
 @pytest.mark.asyncio
 async def test_integer_budget_never_grows(tmp_path: Path) -> None:
-    async with await ExpertStore.open(checkpoint(tmp_path), budget_bytes=TD, backend="pread",
-                                      policy="lru") as store:
+    store = await ExpertStore.open(checkpoint(tmp_path), budget_bytes=TD, backend="pread",
+                                   policy="lru")
+    async with store:
         await decode(store, 4)
         assert store.end_turn() == TD
         assert store.stats()["budget_growth"] is None
+    with pytest.raises(StoreClosed):
+        store.end_turn()
