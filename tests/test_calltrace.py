@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from iosched._errors import StoreError
 from tools import replay
 from tools.calltrace import (
     DEFAULT_EXPERT_BYTES,
@@ -34,6 +33,7 @@ from tools.calltrace import (
     load_call_trace_text,
 )
 from tools.replay import Requests, budget_for, load_trace, simulate
+from tests.test_trace import assert_names_the_line
 from tools.trace import RouteTrace, TraceError, load_bundled_trace, load_route_trace_text
 
 ARRAYS = ("req_layer", "req_expert", "req_phase", "req_batch", "req_token", "req_turn")
@@ -261,12 +261,7 @@ BAD = [
 
 @pytest.mark.parametrize("text,line,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_malformed_raises_trace_error_with_line(text: str, line: int, words: str) -> None:
-    with pytest.raises(TraceError) as ei:
-        load_call_trace_text(text, "bad.calls")
-    msg = str(ei.value)
-    assert msg.startswith(f"bad.calls:{line}: "), msg
-    assert words in msg, msg
-    assert isinstance(ei.value, StoreError)
+    assert_names_the_line(load_call_trace_text, text, "bad.calls", line, words)
 
 
 def test_bad_case_ids_unique() -> None:

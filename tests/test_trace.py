@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -335,14 +336,21 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("text,line,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_malformed_raises_trace_error_with_line(text: str, line: int, words: str) -> None:
+def assert_names_the_line(load: Callable[[str, str], object], text: str, source: str,
+                          line: int, words: str) -> None:
+    """``load(text, source)`` raises a TraceError (a StoreError) that starts with
+    ``source:line:`` and says ``words``."""
     with pytest.raises(TraceError) as ei:
-        load_route_trace_text(text, "bad.csv")
+        load(text, source)
     msg = str(ei.value)
-    assert msg.startswith(f"bad.csv:{line}: "), msg
+    assert msg.startswith(f"{source}:{line}: "), msg
     assert words in msg, msg
     assert isinstance(ei.value, StoreError)
+
+
+@pytest.mark.parametrize("text,line,words", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_malformed_raises_trace_error_with_line(text: str, line: int, words: str) -> None:
+    assert_names_the_line(load_route_trace_text, text, "bad.csv", line, words)
 
 
 def test_malformed_file_message_names_path(tmp_path: Path) -> None:
