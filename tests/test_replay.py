@@ -472,3 +472,29 @@ def test_bad_prefetch_arguments_are_named(capsys: pytest.CaptureFixture[str], ar
 def test_token_budget_needs_simulate(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, ["gemma", "--policy", "lru", "--token-budget", "1", "--json"], status=2)
     assert "--simulate" in out["error"]
+
+
+def test_plot_draws_the_curves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "qwen.png"
+    assert replay.main(["qwen", "--simulate", "--cycles", "1,2", "--policy", "lru,belady",
+                        "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["qwen", "--simulate", "--plot", "x.svg"], "expected a .png path"),
+    (["qwen", "--simulate", "--train", "qwen", "--plot", "x.png"], "--train"),
+])
+def test_plot_refusals(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay.main([*argv, "--json"]) == 2
+    assert words in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_plot_to_an_unwritable_place_is_a_clear_error(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing-folder" / "q.png"
+    assert replay.main(["qwen", "--simulate", "--cycles", "1", "--policy", "lru",
+                        "--plot", str(target), "--json"]) == 2
+    assert str(target) in json.loads(capsys.readouterr().out)["error"]

@@ -613,6 +613,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "saved exceeds the memory-stall time (its row: the budget it ended with)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw decode hit %% and its cost (GB moved; felt wait with real I/O) "
+                        "against the budget, a curve per policy (matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -695,8 +698,33 @@ def _check_prefetch_args(args: argparse.Namespace) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``replay`` subcommand; returns the JSON object."""
+    """The ``replay`` subcommand; returns the JSON object (with ``"plot"``: the file drawn)."""
     _check_prefetch_args(args)
+    plot = getattr(args, "plot", None)
+    if plot is not None:
+        if not plot.lower().endswith(".png"):
+            raise StoreError(f"--plot {plot}: expected a .png path")
+        if getattr(args, "train", None) is not None:
+            raise StoreError("--plot draws budgets as curves; --train's two arms are a table only")
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError as exc:
+            raise StoreError(f"--plot needs matplotlib ({exc}); pip install 'iosched[plot]'") from None
+    out = _cmd_replay(args)
+    if plot is not None:
+        from .replay_plot import plot_replay
+
+        try:
+            plot_replay(out, plot)
+        except OSError as exc:
+            raise StoreError(f"--plot {plot}: cannot write it: {exc}") from exc
+        out["plot"] = plot
+        if not args.json:
+            _print_note(f"plot: {plot}")
+    return out
+
+
+def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     args.expert_bytes = getattr(args, "expert_bytes", None)
     if args.expert_bytes is not None and args.expert_bytes < 1:
         raise StoreError(f"--expert-bytes must be a positive number of bytes, got {args.expert_bytes}")
