@@ -74,6 +74,7 @@ from .trace import (
     load_bundled_trace,
     load_route_trace_text,
     read_trace_text,
+    trace_error,
 )
 
 DEFAULT_CYCLES = "0.5,1,2,4,8"
@@ -186,10 +187,10 @@ def _sniff(source: str, text: str) -> str:
         if line and not line.startswith("#"):
             if is_call_line(line):
                 return "call"
-            raise TraceError(f"{source}:{lineno}: neither trace format matched: not a "
-                             "route_trace v1 CSV (first line '# route_trace v1') nor a call "
-                             f"trace (lines '<call> <row> <layer> <expert>:<gate> ...'); got "
-                             f"{line[:80]!r}")
+            raise trace_error(source, lineno, "neither trace format matched: not a "
+                              "route_trace v1 CSV (first line '# route_trace v1') nor a call "
+                              f"trace (lines '<call> <row> <layer> <expert>:<gate> ...'); got "
+                              f"{line[:80]!r}")
     return "call"  # blank or comments only: the call parser reports the empty trace
 
 
@@ -338,8 +339,9 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     each one not in the table is reserved speculatively (the policy's eviction guard may
     refuse) and published at once: a load takes no time here, and an expert that is loading
     counts as a hit anyway.  Then a policy with ``prepare`` precomputes for the next batch,
-    as the store lets it while the engine computes.  ``token_budget_bytes`` caps the bytes prefetched per token, as
-    the store's setting of that name does (``None``: no cap beyond the policy's own).
+    as the store lets it while the engine computes.  ``token_budget_bytes`` caps the bytes
+    prefetched per token, as the store's setting of that name does (``None``: no cap beyond
+    the policy's own).
     ``check_every``: also re-check the table's invariants every that many requests (tests).
     """
     out = Drive(flags=[])
