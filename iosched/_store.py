@@ -43,7 +43,7 @@ from residency._table import Entry, EntryState, ResidencyTable
 from residency.registry import make_policy
 
 from . import _settings
-from . import _sizing
+from . import _routing, _sizing
 from ._growth import BudgetGrowth
 from ._checkpoint import load_index
 from ._io import ReadPath
@@ -178,6 +178,8 @@ class ExpertStore:
         """Bytes prefetch started since the last token boundary."""
         self._prefetch_refused = self._prefetch_refused_bytes = self._prefetch_promoted = 0
         self._hints_skipped = 0
+        self._routing_rows = 0
+        """Token rows of router output observed (``observe_routing``)."""
         self._requests = self._hits = self._misses = self._joins = 0
         self._load_errors = 0
         self._prefetch_issued = self._prefetch_dropped = 0
@@ -524,6 +526,23 @@ class ExpertStore:
                 queued += 1
         return queued
 
+    def observe_routing(self, layer: int, experts: Any) -> None:
+        """The router's output for one MoE ``layer`` of a batch of tokens: ``experts`` is
+        ``[tokens, k]`` expert ids (row ``t``: token ``t``'s picks in slot order, -1 for an
+        empty slot), or ``[k]`` for one token.  Call it for a prompt's layers, before or
+        after that layer's ``acquire_many``: the request keys only say *which* experts the
+        batch needs, the rows say which go together, and the default policy learns its
+        next-layer prediction from them (``residency/moe.py``).  Synchronous and cheap (the
+        learning is deferred to the policy's batch-end work); a policy without use for it
+        (``lru``) ignores it.  Bad input raises a ``StoreError`` naming the layer or expert,
+        and nothing is recorded."""
+        self._check_open()
+        rows = _routing.routing_rows(self._index, layer, experts)
+        self._routing_rows += int(rows.shape[0])
+        on_routing = getattr(self._table.policy, "on_routing", None)
+        if callable(on_routing):
+            on_routing(int(layer), rows)
+
     def end_turn(self) -> int:
         """Marks the end of a turn (a request served): with ``budget="auto"`` the budget grows
         here by the whole token cycles whose measured benefit exceeds their measured cost
@@ -608,6 +627,7 @@ class ExpertStore:
                 "prefetch_refused_bytes": self._prefetch_refused_bytes,
                 "prefetch_promoted": self._prefetch_promoted,
                 "hints_skipped": self._hints_skipped,
+                "routing_rows": self._routing_rows,
                 "token_budget_bytes": self._token_budget,
                 "policy_fallback": self._policy_fallback,
                 "history": self._history_path,

@@ -9,7 +9,10 @@ before layer ``l + 1`` asks.
 ``counts[p, i, j]`` is how often expert ``j`` of the layer after position ``p`` was routed in
 the same token as expert ``i`` of layer ``p``, and ``picks[p, i]`` how often ``i`` was a pick
 whose next layer was learned; both learned online from decode-like batches (at most ``k``
-experts, so a prefill batch of many tokens does not pair experts of different tokens).
+experts, so a prefill batch of many tokens does not pair experts of different tokens) and,
+when the engine passes the router's output (``ExpertStore.observe_routing``), from every
+token of a batch of many, row by row (:meth:`learn_rows`): a prompt's tokens are routing
+evidence like a decode token's, and before the first decode token they are all there is.
 :meth:`predict` estimates each next-layer expert's probability of being routed as the mean,
 over this token's picks ``i``, of ``P(j | i)``, each shrunk toward the next layer's popularity
 by one pseudo-observation: ``(counts[p, i, j] + k x popularity(j)) / (picks[p, i] + 1)``.
@@ -65,6 +68,20 @@ class CoActivation:
         ppos = [p for p, picks, nxt in pairs if nxt for _ in picks]
         pick = [i for p, picks, nxt in pairs if nxt for i in picks]
         np.add.at(self.picks, (np.asarray(ppos), np.asarray(pick)), 1.0)
+
+    def learn_rows(self, pos: int, rows: npt.NDArray[np.int64], next_rows: npt.NDArray[np.int64]) -> None:
+        """Row ``t`` of ``rows`` (the experts token ``t`` routed at layer position ``pos``,
+        padded with -1) pairs with row ``t`` of ``next_rows`` (its experts at the next
+        layer): one scatter-add for a whole prompt, however long."""
+        if self.counts is None or rows.shape[0] != next_rows.shape[0] or not rows.size:
+            return
+        a = np.broadcast_to(rows[:, :, None], (rows.shape[0], rows.shape[1], next_rows.shape[1]))
+        b = np.broadcast_to(next_rows[:, None, :], a.shape)
+        ok = (a >= 0) & (b >= 0)
+        E = self.n_expert
+        self.counts[pos] += np.bincount(a[ok] * E + b[ok], minlength=E * E).reshape(E, E).astype(np.float32)
+        picked = rows[(next_rows >= 0).any(axis=1)]
+        self.picks[pos] += np.bincount(picked[picked >= 0], minlength=E)
 
     def predict(self, pos: int, picks: Sequence[int], k: int, popularity: F64) -> F64 | None:
         """Probabilities of the next layer's experts being routed given this token's ``picks``

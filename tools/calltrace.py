@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from .trace import (
     PHASE_DECODE,
@@ -86,6 +87,16 @@ def load_call_trace_text(text: str, source: str, expert_bytes: int | None = None
         raise trace_error(source, None, f"expert_bytes={expert_bytes} is not a positive "
                                         "number of bytes")
     return _Reader(text, source).read(expert_bytes)
+
+
+def _rows_table(rows: list[list[int]], k: int) -> npt.NDArray[np.int32]:
+    """A group's rows as :attr:`RouteTrace.routing` keeps them: one row per token, experts in
+    slot order, padded with -1; read-only."""
+    table = np.full((len(rows), k), -1, dtype=np.int32)
+    for t, experts in enumerate(rows):
+        table[t, :len(experts)] = experts
+    table.setflags(write=False)
+    return table
 
 
 @dataclass
@@ -262,12 +273,16 @@ class _Reader:
         cols: tuple[list[int], ...] = ([], [], [], [], [], [])  # layer expert phase batch token turn
         turn = token = batch = 0
         prev_decode = False
+        k = self.k if self.k is not None else max_row
+        routing: dict[int, npt.NDArray[np.int32]] = {}
         for fwd in forwards:
             prefill = any(len(g.rows) > 1 for g in fwd)
             if prefill and prev_decode:
                 turn += 1
             phase, tok = (PHASE_PREFILL, -1) if prefill else (PHASE_DECODE, token)
             for g in fwd:
+                if len(g.rows) > 1:
+                    routing[batch] = _rows_table([experts for _, (_, experts) in sorted(g.rows.items())], k)
                 seen: set[int] = set()
                 for _, (_, experts) in sorted(g.rows.items()):
                     for e in experts:
@@ -286,7 +301,8 @@ class _Reader:
             arch=self.model.get("arch", ""),
             n_layer=self.n_layer if self.n_layer is not None else max([*first_use, *layers]) + 1,
             n_expert=self.n_expert if self.n_expert is not None else max_expert + 1,
-            k=self.k if self.k is not None else max_row,
+            k=k,
+            routing=routing,
             expert_bytes=sizes,
             dense_bytes=dense,
             layers=layers,
@@ -312,6 +328,7 @@ class _Forward:
     turn: int
     token: int
     batches: list[tuple[int, list[int]]]  # (layer, distinct experts in request order)
+    ids: list[int] = field(default_factory=list)  # each batch's index in the trace
 
 
 def _forwards(trace: RouteTrace) -> list[_Forward]:
@@ -331,6 +348,7 @@ def _forwards(trace: RouteTrace) -> list[_Forward]:
             f = _Forward(phase[lo], turn[lo], token[lo], [])
             out.append(f)
         f.batches.append((layer[lo], experts[lo:hi]))
+        f.ids.append(int(trace.req_batch[lo]))
     return out
 
 
@@ -340,7 +358,8 @@ def _rows(trace: RouteTrace, f: _Forward) -> list[list[list[int]]]:
     if f.phase == PHASE_DECODE:
         return [[ex] for _, ex in f.batches]
     k = max(1, trace.k)
-    rows = [[ex[i:i + k] for i in range(0, len(ex), k)] for _, ex in f.batches]
+    rows = [_token_rows(trace.routing[b]) if b in trace.routing
+            else [ex[i:i + k] for i in range(0, len(ex), k)] for b, (_, ex) in zip(f.ids, f.batches)]
     if all(len(r) == 1 for r in rows):
         j = next((j for j, (_, ex) in enumerate(f.batches) if len(ex) > 1), None)
         if j is None:
@@ -350,15 +369,22 @@ def _rows(trace: RouteTrace, f: _Forward) -> list[list[list[int]]]:
     return rows
 
 
+def _token_rows(table: npt.NDArray[np.int32]) -> list[list[int]]:
+    """A batch's router output (``RouteTrace.routing``) as rows of experts, padding dropped."""
+    return [[e for e in row if e >= 0] for row in table.tolist()]
+
+
 def format_call_trace(trace: RouteTrace) -> str:
     """``trace`` as call-trace text, with the header comments (per-layer ``expert_bytes``
     unless the sizes were assumed, so that reading it back assumes them again).
 
-    One forward per prefill batch group (a turn's prefill from a CSV is one forward, its rows
-    chunks of k of each layer's distinct experts) and one per decode token. The trace keeps
-    only each batch's distinct experts, not its rows or gates (written ``nan``), so this is
-    lossless for the request sequence (reading the text back gives the same requests,
-    batches, phases, tokens and turns, turns renumbered 0, 1, ...), not for the rows. A
+    One forward per prefill batch group (a turn's prefill from a CSV is one forward) and one
+    per decode token. The trace keeps
+    the router's rows of each batch of several tokens (``RouteTrace.routing``), written as
+    they are; a batch without them is written as chunks of k of its distinct experts.  Gates
+    are not kept (written ``nan``).  So this is lossless for the request sequence and the
+    rows (reading the text back gives the same requests, batches, phases, tokens, turns,
+    turns renumbered 0, 1, ..., and routing), not for the gates. A
     trace whose forwards or turns the format cannot mark (a forward starting at a layer
     above the previous one's last, a turn not starting with prefill after decode) is a
     :class:`~tools.trace.TraceError` rather than text that reads back otherwise.

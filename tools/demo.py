@@ -155,7 +155,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
                        max_tokens: int | None = None, on_token: Callable[[], None] | None = None,
                        expert_bytes: dict[int, int] | None = None,
                        decode_start: float | None = None,
-                       layer_map: dict[int, int] | None = None) -> EngineRun:
+                       layer_map: dict[int, int] | None = None, routing: bool = True) -> EngineRun:
     """Replay ``trace`` through ``store`` as an engine would: per batch (a prefill layer, or
     one decode token's layer) lease the routed experts together with ``acquire_many``, hold
     them ``compute_s`` seconds (emulated compute), release; ``token_boundary()`` before each
@@ -164,7 +164,9 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
     decode token (progress bars); ``expert_bytes`` (per trace layer) weighs the byte counts,
     the trace's header sizes when omitted.  ``decode_start`` is the clock reading decode time
     counts from when the trace has no decode token (default: now).  ``layer_map`` renames the
-    trace's layers to the checkpoint's (identity when omitted)."""
+    trace's layers to the checkpoint's (identity when omitted).  ``routing``: hand each
+    prompt batch's per-token router output to ``observe_routing`` first, as an engine can
+    (``False``: the store sees the keys only)."""
     total = trace.n_decode_tokens() if max_tokens is None else min(max_tokens, trace.n_decode_tokens())
     sizes = trace.expert_bytes if expert_bytes is None else expert_bytes
     token, tokens, prefill_batches = -1, 0, 0
@@ -173,7 +175,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
         decode_start = time.perf_counter()
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
     was_decode = False
-    for phase, tok, layer, experts in trace.batches():
+    for batch, (phase, tok, layer, experts) in enumerate(trace.batches()):
         decode = phase == PHASE_DECODE
         if was_decode and not decode:
             store.end_turn()  # a prefill after decode: the next turn of the conversation
@@ -193,6 +195,8 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
             prefill_batches += 1
         r0, h0 = _hit_counters(store)
         ckpt_layer = layer if layer_map is None else layer_map[layer]
+        if routing and batch in trace.routing:  # a prompt's rows: what its router chose, per token
+            store.observe_routing(ckpt_layer, trace.routing[batch])
         async with store.acquire_many([(ckpt_layer, e) for e in experts.tolist()]):
             r1, h1 = _hit_counters(store)
             await asyncio.sleep(compute_s)

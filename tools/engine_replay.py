@@ -60,14 +60,15 @@ def reject_offline(policies: Sequence[str], mode: str) -> None:
 async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace, policy: str,
                         cycles: float, budget: int | str, compute_s: float, backend: str,
                         max_tokens: int | None, expert_bytes: dict[int, int],
-                        layer_map: dict[int, int], cold: bool) -> dict[str, Any]:
+                        layer_map: dict[int, int], cold: bool, routing: bool = True) -> dict[str, Any]:
     if cold:
         await asyncio.to_thread(demo.drop_from_page_cache, files)
     async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend,
                                       policy=policy, experts_per_token=trace.k) as store:
         t0 = time.perf_counter()
         run = await demo.drive_engine(store, trace, compute_s, max_tokens,
-                                      expert_bytes=expert_bytes, layer_map=layer_map)
+                                      expert_bytes=expert_bytes, layer_map=layer_map,
+                                      routing=routing)
         wall = time.perf_counter() - t0
         store.end_turn()  # the trace's last turn ends: the growth rule's final decision
         s = store.stats()
@@ -112,13 +113,15 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                       folder: Path | None = None, scale: int = demo.SCALE,
                       on_run: Callable[[str], None] | None = None,
-                      auto: bool = False) -> dict[str, Any]:
+                      auto: bool = False, routing: bool = True) -> dict[str, Any]:
     """Every policy at every budget against the trace's checkpoint, with real reads.
 
     ``folder``: where the checkpoint is built or found (default: the cache folder, as for
     ``iosched demo``).  ``cold``: drop it from the page cache before each run.  ``auto``: one
     more run per policy with ``budget_bytes="auto"`` (it opens at ``auto_start_cycles`` and
     grows, ``iosched/_growth.py``); its row's ``cycles`` is the budget it ended with.
+    ``routing``: the engine hands each prompt batch's router output to ``observe_routing``
+    (``False``: keys only, ``--keys-only``).
     """
     reject_offline(policies, "with real I/O")
     if compute_ms < 0 or (max_tokens is not None and max_tokens <= 0):
@@ -145,7 +148,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles{' (auto)' if budget == 'auto' else ''}")
             results.append(await _one_real_run(
                 ckpt, index.files, trace, name, c, budget, compute_ms / 1e3, backend,
-                max_tokens, expert_bytes, layer_map, cold))
+                max_tokens, expert_bytes, layer_map, cold, routing))
     return {
         "trace": label,
         "mode": "real",
@@ -161,6 +164,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
         "backend": backend,
         "cold": cold,
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
+        "routing": routing,
     }
 
 
@@ -211,14 +215,15 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
 def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
                cycles: Sequence[float], policies: Sequence[str],
                on_run: Callable[[str], None] | None = None, *,
-               prefetch_width: int | None = None) -> dict[str, Any]:
-    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD)."""
+               prefetch_width: int | None = None, routing: bool = True) -> dict[str, Any]:
+    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD);
+    ``routing=False``: the policies see the keys only (``--keys-only``)."""
     for name in policies:
         if name in OFFLINE:
             raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
                              "--train does not apply to it")
     check_same_shape(train, train_label, ev, eval_label)
-    treqs, ereqs = Requests.of(train), Requests.of(ev)
+    treqs, ereqs = Requests.of(train, routing), Requests.of(ev, routing)
     results: list[dict[str, Any]] = []
     for name in policies:
         for c in cycles:
@@ -245,6 +250,7 @@ def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: 
         "requests": len(ereqs),
         "decode_requests": sum(ereqs.decode),
         "train_requests": len(treqs),
+        "routing": routing,
     }
 
 

@@ -53,8 +53,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from iosched import StoreError, _settings
 from iosched._errors import BudgetError
@@ -122,13 +125,23 @@ class Requests:
     """The model's shape from the trace's header, for policies that use it."""
     key_bytes: dict[tuple[int, int], int]
     """Bytes of every (layer, expert) of the model (its layer's expert_bytes), prefetches included."""
+    routing: dict[int, tuple[int, npt.NDArray[np.int32]]] = field(default_factory=dict)
+    """By the index of a batch's first request: ``(layer, rows)``, the router's output of a
+    batch of several tokens (``RouteTrace.routing``), which the driver hands to a policy's
+    ``on_routing`` as the store's ``observe_routing`` does; empty for a keys-only replay."""
 
     @classmethod
-    def of(cls, trace: RouteTrace) -> Requests:
+    def of(cls, trace: RouteTrace, routing: bool = True) -> Requests:
+        """``routing=False``: the policies see the keys only (``--keys-only``)."""
         layers = trace.req_layer.tolist()
         experts = trace.req_expert.tolist()
         batch = trace.req_batch.tolist()
+        starts: dict[int, tuple[int, npt.NDArray[np.int32]]] = {}
+        if routing and trace.routing:
+            first = np.flatnonzero(np.diff(trace.req_batch, prepend=-1)).tolist()
+            starts = {first[b]: (layers[first[b]], rows) for b, rows in trace.routing.items()}
         return cls(
+            routing=starts,
             keys=list(zip(layers, experts)),
             ids=[ly * trace.n_expert + ex for ly, ex in zip(layers, experts)],
             sizes=trace.req_bytes.tolist(),
@@ -361,8 +374,13 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     flags = out.flags
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
     on_request = policy.on_request
+    on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = getattr(policy, "on_routing", None)
+    routing = reqs.routing if on_routing is not None else {}
     try:
         for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
+            if i in routing and on_routing is not None:  # the engine knows its router's output first
+                layer, rows = routing[i]
+                on_routing(layer, rows.astype(np.int64))
             if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
                 token_prefetch = 0  # a new token (or the prefill) starts at the first layer
             hit = get(key) is not None
@@ -514,15 +532,16 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
            compare_libcachesim: bool = False,
            on_run: Callable[[str], None] | None = None, *,
            prefetch_width: int | None = None,
-           token_budget_cycles: float | None = None) -> dict[str, Any]:
+           token_budget_cycles: float | None = None, routing: bool = True) -> dict[str, Any]:
     """Every policy (then every libCacheSim algorithm) at every budget; the contract's object.
 
     ``on_run(label)`` is called before each run (progress bars).  ``prefetch_width`` goes to
     the prefetching policies; ``token_budget_cycles`` caps prefetched bytes per token, in
-    token cycles.
+    token cycles.  ``routing=False``: the policies see the request keys only, not the router's
+    output of the prompt's batches (``--keys-only``).
     """
     token_budget = None if token_budget_cycles is None else int(token_budget_cycles * trace.td_bytes)
-    reqs = Requests.of(trace)
+    reqs = Requests.of(trace, routing)
     lcs_version: str | None = None
     if compare_libcachesim:
         lcs_version = str(getattr(libcachesim_module(), "__version__", "unknown"))
@@ -552,6 +571,7 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
         "decode_requests": sum(reqs.decode),
         "distinct_experts": len(set(reqs.keys)),
         "sizes_assumed": trace.sizes_assumed,
+        "routing": bool(reqs.routing),
     }
     if lcs_version is not None:
         out["libcachesim_version"] = lcs_version
@@ -618,6 +638,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw decode hit %% and its cost (GB moved; felt wait with real I/O) "
                         "against the budget, a curve per policy (matplotlib)")
+    p.add_argument("--keys-only", action="store_true",
+                   help="the policies see the request keys only, not the router's per-token output "
+                        "of the prompt's batches (which an engine passes to observe_routing)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -645,7 +668,8 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
     train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
         out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
-                                       prefetch_width=args.prefetch_width)
+                                       prefetch_width=args.prefetch_width,
+                                       routing=not getattr(args, "keys_only", False))
     out["sizes_assumed"] = train.sizes_assumed or ev.sizes_assumed
     if not args.json:
         _print_table(engine_replay.train_eval_table(out))
@@ -679,7 +703,8 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
-            on_run=on_run, auto=getattr(args, "auto_budget", False)))
+            on_run=on_run, auto=getattr(args, "auto_budget", False),
+            routing=not getattr(args, "keys_only", False)))
     if not args.json:
         _print_table(engine_replay.real_table(out))
     return out
@@ -745,7 +770,8 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     runs = (len(policies) + (len(LIBCACHESIM_ALGOS) if args.compare_libcachesim else 0)) * len(cycles)
     with run_progress("replay", runs) as on_run:
         out = replay(trace, args.trace, cycles, policies, args.compare_libcachesim, on_run,
-                     prefetch_width=args.prefetch_width, token_budget_cycles=args.token_budget)
+                     prefetch_width=args.prefetch_width, token_budget_cycles=args.token_budget,
+                     routing=not getattr(args, "keys_only", False))
     if not args.json:
         _print_table(result_table(out))
     return out

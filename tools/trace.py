@@ -50,7 +50,7 @@ import gzip
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
@@ -179,6 +179,12 @@ class RouteTrace:
     counted across all turns)."""
     req_turn: I32
     """The ``turn`` value of the request."""
+    routing: dict[int, I32] = field(default_factory=dict)
+    """The router's output of every batch of more than one token, by batch index: row ``t`` is
+    the batch's ``t``-th token (in step order), its experts in slot order, padded with -1.
+    The request sequence keeps only each batch's distinct experts; this is what an engine
+    also knows about a prompt (which experts went together in one token), and what it passes
+    to ``ExpertStore.observe_routing``.  Read-only arrays."""
     sizes_assumed: bool = False
     """True when the trace gave no expert sizes and nobody else did either, so every
     ``expert_bytes`` is a uniform default (a call trace without ``# layer=`` lines, read
@@ -436,6 +442,27 @@ class _Parser:
             linenos.append(idx + 1)
         return rows, linenos
 
+    @staticmethod
+    def _routing(batch: I64, phase: I64, step: I64, slot: I64, expert: I64, k: int) -> dict[int, I32]:
+        """:attr:`RouteTrace.routing` from the rows in replay order (prefill batches are the
+        only ones of several tokens: a decode batch is one step)."""
+        out: dict[int, I32] = {}
+        pre = np.flatnonzero(phase == PHASE_PREFILL)
+        if not pre.size:
+            return out
+        b = batch[pre]
+        bounds = np.concatenate(([0], np.flatnonzero(np.diff(b)) + 1, [b.size])).tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            rows = pre[lo:hi]
+            steps, token = np.unique(step[rows], return_inverse=True)
+            if steps.size < 2:
+                continue
+            table = np.full((steps.size, k), -1, dtype=np.int32)
+            table[token, slot[rows]] = expert[rows]
+            table.setflags(write=False)
+            out[int(batch[rows[0]])] = table
+        return out
+
     def _bad_field(self, lineno: int, fields: list[str]) -> TraceError:
         for name, value in zip(_COLUMNS, fields):
             if name == "weight":
@@ -531,6 +558,7 @@ class _Parser:
 
         layers = tuple(sorted(expert_bytes))
         return RouteTrace(
+            routing=self._routing(batch, s_phase, s_step, s_slot, s_expert, k),
             source=self.source,
             model=model_kv.get("model", ""),
             arch=model_kv.get("arch", ""),

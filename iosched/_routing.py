@@ -1,0 +1,49 @@
+"""Validation of the router output an engine hands to ``ExpertStore.observe_routing``.
+
+Why a module: the store passes the router's choices for a batch of tokens to its policy
+(``on_routing``, ``residency/moe.py`` learns which experts go together from a prompt's rows),
+and bad input must never reach the policy's arrays: a ``StoreError`` names the culprit and the
+store stays usable.  Kept out of ``_store.py`` so the store's module stays about serving.
+
+Accepted shapes: ``[tokens, k]`` integers (a numpy array, a CPU tensor's ``.numpy()``, or
+nested lists), or ``[k]`` for one token; ``-1`` marks an empty slot (a token that routed
+fewer experts).  Every other value must name an expert of ``layer`` in the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import StoreError, UnknownExpertError
+from ._layout import CheckpointIndex
+
+
+def routing_rows(index: CheckpointIndex, layer: Any, experts: Any) -> npt.NDArray[np.int64]:
+    """``experts`` as a fresh ``int64 [tokens, k]`` array, after checking that ``layer`` and
+    every expert named exist in ``index``; a ``StoreError`` naming what does not."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise UnknownExpertError(f"observe_routing: layer must be an int, got {layer!r}")
+    layer = int(layer)
+    try:
+        arr = np.asarray(experts)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"observe_routing: layer {layer}: experts are not an array: {exc}") from None
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+        raise StoreError(f"observe_routing: layer {layer}: experts must be integers "
+                         f"(a [tokens, k] array), got dtype {arr.dtype}")
+    if arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    if arr.ndim != 2:
+        raise StoreError(f"observe_routing: layer {layer}: experts must be [tokens, k], got "
+                         f"shape {arr.shape}")
+    rows = arr.astype(np.int64)  # a copy: the engine may reuse its buffer
+    for e in np.unique(rows).tolist():
+        if e != -1 and (layer, e) not in index.experts:
+            if not any(key[0] == layer for key in index.experts):
+                raise UnknownExpertError(f"observe_routing: no layer {layer} in {index.root} "
+                                         f"(layers {index.layers()[0]}..{index.layers()[-1]})")
+            raise UnknownExpertError(f"observe_routing: no expert ({layer}, {e}) in {index.root}")
+    return rows

@@ -1,0 +1,175 @@
+"""The router's per-token output (a prompt's rows): read from both trace formats, handed to the
+policy by the replay and by ``ExpertStore.observe_routing``, and learned as co-activation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from iosched import ExpertStore, StoreError
+from iosched._errors import UnknownExpertError
+from residency import ResidencyTable
+from residency._cooc import CoActivation
+from residency._policy import ModelShape
+from residency.moe import MoEPolicy
+from tests.conftest import EXPERTS, LAYERS
+from tools.calltrace import format_call_trace, load_call_trace_text
+from tools.replay import Requests, budget_for, drive, simulate
+from tools.trace import load_bundled_trace
+
+SHAPE = ModelShape(layers=(0, 1, 2), n_expert=8, experts_per_token=2,
+                   expert_bytes={0: 100, 1: 100, 2: 100})
+
+
+def test_learn_rows_pairs_each_token_with_itself_and_skips_padding() -> None:
+    co = CoActivation(3, 8)
+    rows = np.array([[0, 1], [2, -1]])
+    nxt = np.array([[5, 6], [7, 5]])
+    co.learn_rows(0, rows, nxt)
+    assert co.counts is not None
+    want = np.zeros((8, 8))
+    for i, j in ((0, 5), (0, 6), (1, 5), (1, 6), (2, 7), (2, 5)):
+        want[i, j] += 1
+    assert np.array_equal(co.counts[0], want)  # token 0's experts never pair with token 1's
+    assert co.picks[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    co.learn_rows(1, rows, nxt[:1])  # rows of different batches: nothing learned
+    assert not co.counts[1].any() and not co.picks[1].any()
+
+
+def test_learn_rows_adds_what_learn_many_adds_token_by_token() -> None:
+    rng = np.random.default_rng(3)
+    a, b = CoActivation(2, 16), CoActivation(2, 16)
+    rows = np.stack([rng.choice(16, 4, replace=False) for _ in range(30)])
+    nxt = np.stack([rng.choice(16, 4, replace=False) for _ in range(30)])
+    a.learn_rows(0, rows, nxt)
+    b.learn_many([(0, r.tolist(), n.tolist()) for r, n in zip(rows, nxt)])
+    assert a.counts is not None and b.counts is not None
+    assert np.array_equal(a.counts, b.counts) and np.array_equal(a.picks, b.picks)
+
+
+def _policy() -> MoEPolicy:
+    p = MoEPolicy(SHAPE)
+    p.set_budget(10_000)
+    return p
+
+
+def _request_batch(p: MoEPolicy, layer: int, experts: list[int]) -> None:
+    for e in experts:
+        p.on_request((layer, e), 100, False)
+        p.on_insert((layer, e), 100)
+    p.end_batch()
+
+
+def test_moe_learns_a_prompts_rows_once_and_a_single_row_from_its_batch() -> None:
+    p = _policy()
+    prompt = [np.array([[0, 1], [2, 3], [0, 3]]), np.array([[4, 5], [6, 7], [4, 7]])]
+    for layer, rows in enumerate(prompt):
+        p.on_routing(layer, rows)
+        _request_batch(p, layer, sorted(set(rows.ravel().tolist())))
+    p.history()  # folds the deferred observations in
+    counts = p._coact.counts
+    assert counts is not None
+    assert counts[0, 0, 4] == 2 and counts[0, 0, 6] == 0 and counts[0, 2, 6] == 1
+    assert p._coact.picks[0].tolist() == [2, 1, 1, 2, 0, 0, 0, 0]
+    # a routed prefill batch with no more distinct experts than k is not paired again
+    q = _policy()
+    for layer in (0, 1):
+        rows = np.array([[1, 2], [2, 1]])
+        q.on_routing(layer, rows)
+        _request_batch(q, layer, [1, 2])
+    q.history()
+    assert q._coact.counts is not None and q._coact.counts[0, 1, 2] == 2
+    # one token's routing is what its batch says: ignored, the batch is paired at its end
+    r = _policy()
+    for layer in (0, 1):
+        r.on_routing(layer, np.array([[3, 4]]))
+        _request_batch(r, layer, [3, 4])
+    r.history()
+    assert r._coact.counts is not None and r._coact.counts[0, 3, 4] == 1
+
+
+def test_moe_routing_errors_name_the_layer_or_expert() -> None:
+    p = _policy()
+    with pytest.raises(StoreError, match="layer 7"):
+        p.on_routing(7, np.array([[0, 1], [1, 2]]))
+    with pytest.raises(StoreError, match="0..7"):
+        p.on_routing(1, np.array([[0, 8], [1, 2]]))
+    p.check(set())
+
+
+def test_traces_keep_the_prompts_rows_and_call_text_round_trips_them() -> None:
+    trace = load_bundled_trace("gemma")
+    assert trace.routing, "the bundled prompt has batches of several tokens"
+    starts = np.flatnonzero(np.diff(trace.req_batch, prepend=-1))
+    for batch, rows in trace.routing.items():
+        assert rows.shape[1] == trace.k and rows.shape[0] > 1 and not rows.flags.writeable
+        lo = starts[batch]
+        hi = starts[batch + 1] if batch + 1 < starts.size else trace.req_batch.size
+        requested = trace.req_expert[lo:hi].tolist()
+        assert sorted(set(rows[rows >= 0].tolist())) == sorted(requested)  # the union is the batch
+        assert trace.req_phase[lo] == 0
+    calls = load_call_trace_text(format_call_trace(trace), "gemma.calls")
+    assert calls.routing.keys() == trace.routing.keys()
+    for batch, rows in trace.routing.items():
+        assert np.array_equal(calls.routing[batch], rows)
+
+
+def test_replay_hands_the_rows_to_the_policy_unless_keys_only() -> None:
+    trace = load_bundled_trace("gemma")
+    with_rows, keys_only = Requests.of(trace), Requests.of(trace, routing=False)
+    assert keys_only.routing == {} and len(with_rows.routing) == len(trace.routing)
+    assert with_rows.keys == keys_only.keys  # the request sequence is the same
+    budget = budget_for(trace, 2)
+    learned = []
+    for reqs in (with_rows, keys_only):
+        policy = MoEPolicy()
+        policy.set_budget(budget)
+        policy.set_shape(reqs.shape)
+        prefill = sum(1 for d in reqs.decode if not d)
+        head = Requests(**{**reqs.__dict__, "keys": reqs.keys[:prefill], "ids": reqs.ids[:prefill],
+                           "sizes": reqs.sizes[:prefill], "decode": reqs.decode[:prefill],
+                           "batch_end": reqs.batch_end[:prefill]})
+        drive(ResidencyTable(budget, policy), head, check_every=500)
+        policy.history()
+        learned.append(float(policy._coact.picks.sum()))
+    assert learned[0] > 0 and learned[1] == 0  # the prompt alone: only its rows teach pairs
+    # lru has no use for rows: the same hits either way
+    a = simulate(with_rows, "lru", 2, budget)
+    b = simulate(keys_only, "lru", 2, budget)
+    assert a["hits"] == b["hits"]
+
+
+@pytest.mark.asyncio
+async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpoint: Path) -> None:
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
+                                      experts_per_token=2) as store:
+        rows = np.array([[0, 1], [2, 3], [1, 3]])
+        store.observe_routing(0, rows)
+        store.observe_routing(1, rows.tolist())
+        store.observe_routing(2, np.array([4, 5]))  # one token
+        bad_calls: list[tuple[Any, Any, str]] = [
+            (LAYERS + 3, rows, f"layer {LAYERS + 3}"),
+            (0, [[0, EXPERTS]], f"\\(0, {EXPERTS}\\)"),
+            (0, np.zeros((2, 2), dtype=np.float32), "integers"),
+            (0, np.zeros((2, 2, 2), dtype=np.int64), "tokens, k"),
+            ("0", rows, "layer must be an int"),
+        ]
+        for layer, experts, match in bad_calls:
+            with pytest.raises(StoreError, match=match):
+                store.observe_routing(layer, experts)
+        assert store.stats()["routing_rows"] == 7
+        policy = store._table.policy
+        assert isinstance(policy, MoEPolicy)
+        policy.history()
+        assert policy._coact.counts is not None and policy._coact.counts[0, 0, 1] == 1
+        async with store.acquire_many([(0, 0), (0, 1)]) as views:  # still serves
+            assert len(views) == 2
+        store.check_invariants()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="lru") as store:
+        store.observe_routing(0, rows)  # nothing to learn, nothing wrong
+        with pytest.raises(UnknownExpertError):
+            store.observe_routing(0, [[0, -2]])
+        assert store.stats()["routing_rows"] == 3  # token rows, counted whatever the policy
