@@ -61,7 +61,8 @@ from iosched._errors import StoreError
 
 from . import _history
 from ._cooc import CoActivation
-from ._hazard import AGE_MAX, HazardTable, count_bin
+from ._hazard import AGE_MAX, HazardTable, age_bin, count_bin
+from ._lift import ContextLift
 from ._policy import Key, ModelShape
 
 F64 = npt.NDArray[np.float64]
@@ -119,6 +120,9 @@ class MoEPolicy:
         self._wait_n = np.zeros(L)
         self._hazard = HazardTable()
         self._coact = CoActivation(L, E)
+        self._lift = ContextLift(L, E)
+        self._lam: F64 | None = None
+        """The hazard table's per-visit use probabilities, as of the last rebuild."""
         self._pins = _history.Pins(L, E)
         self._batch_pos = -1
         self._batch: list[int] = []
@@ -339,6 +343,8 @@ class MoEPolicy:
         scores = self._predict_next()  # None for a prefill batch of many tokens, among others
         if scores is None:
             return []
+        self._lift.predict(nxt, scores)
+        self._update_rows(nxt)
         out: list[Key] = []
         chance = self._k / self._E  # an expert drawn at random: a guess no better is not made
         for j in np.argsort(-scores, kind="stable").tolist():
@@ -435,6 +441,7 @@ class MoEPolicy:
         assert int(self._in_batch.sum()) == len(self._batch), "batch mask out of step"
         assert np.all(self._visits[:, None] >= self._last), "negative age"
         assert np.all(self._hazard.used <= self._hazard.exposed + 0.01), "more uses than exposures"
+        self._lift.check()
 
     # ------------------------------------------------------------------ internals
 
@@ -466,8 +473,10 @@ class MoEPolicy:
         # Learning is deferred to the token cycle's end (_rebuild), where one bincount takes a
         # whole cycle's observations: the density tables it feeds are rebuilt only there, so
         # the outcome is the same and a batch costs a copy instead of two bincounts.
-        self._observed.append((self._visits[pos] - self._last[pos], self._count[pos].copy(),
-                               self._in_batch[pos].copy()))
+        ages, counts, routed = self._visits[pos] - self._last[pos], self._count[pos].copy(), self._in_batch[pos].copy()
+        self._observed.append((ages, counts, routed))
+        if self._lam is not None and len(picks) <= self._k:  # a token's visit: calibrate the lift
+            self._lift.observe(pos, self._lam[age_bin(ages), count_bin(counts)], routed)
         self._visits[pos] += 1
         self._count[pos, picks] += 1.0
         self._last[pos, picks] = self._visits[pos]
@@ -498,6 +507,7 @@ class MoEPolicy:
             self._horizon = max(1.0, (self._budget or 0) / td) if td else 1.0
         self._learn()
         self._phit, self._extra = self._hazard.density(round(self._horizon))
+        self._lam = self._hazard.hazard()
         self._batches_since_rebuild = 0
         self._set_cost()
         self._pins.update(self._count, self._visits, self._size, self._budget)
@@ -521,7 +531,7 @@ class MoEPolicy:
         ``_ext`` = L x expected idle visits; the density divides them by distance and size."""
         age = np.minimum(self._visits[rows, None] - self._last[rows], AGE_MAX - 1)
         cb = count_bin(self._count[rows])
-        self._num[rows] = self._phit[age, cb]
+        self._num[rows] = np.minimum(1.0, self._phit[age, cb] * self._lift.factor(rows))
         self._ext[rows] = self._L * self._extra[age, cb]
         self._version += 1
 

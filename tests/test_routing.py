@@ -173,3 +173,52 @@ async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpo
         with pytest.raises(UnknownExpertError):
             store.observe_routing(0, [[0, -2]])
         assert store.stats()["routing_rows"] == 3  # token rows, counted whatever the policy
+
+
+# ---------------------------------------------------------------------------------------------
+# the context lift (residency/_lift.py)
+
+
+def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() -> None:
+    from residency._lift import ContextLift
+
+    lift = ContextLift(2, 8)
+    assert np.array_equal(lift.factor(0), np.ones(8)) and lift.factor(slice(None)).shape == (2, 8)
+    probs = np.array([0.9, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    lift.predict(0, probs)
+    lift.observe(0, np.full(8, 0.25), np.zeros(8, dtype=bool))  # no stale prediction yet
+    assert not lift.expected.any() and not lift.observed.any()
+    routed = np.array([True, True, False, False, False, False, False, False])
+    for _ in range(20):  # the favoured experts come back, the others do not
+        lift.predict(0, probs)
+        lift.observe(0, np.full(8, 0.25), routed)
+    f = lift.factor(0)
+    assert f[0] > 1 > f[2] and f[2] == f[7]  # same lift, same factor
+    assert np.array_equal(lift.factor(1), np.ones(8))  # layer 1: still nothing predicted
+    lift.check()
+    lift.current[1, 3] = 1.5
+    with pytest.raises(AssertionError):
+        lift.check()
+
+
+def test_lift_without_information_stays_near_one() -> None:
+    from residency._lift import ContextLift
+
+    rng = np.random.default_rng(7)
+    lift = ContextLift(1, 64)
+    for _ in range(3000):
+        lift.predict(0, rng.dirichlet(np.ones(64)) * 4)  # a prediction unrelated to the outcome
+        lift.observe(0, np.full(64, 4 / 64), rng.random(64) < 4 / 64)
+    f = lift.factor(0)
+    assert np.all((f > 0.75) & (f < 1.25)), f  # the factors in use: 0.95-1.03, noise, no trend
+
+
+def test_replay_calibrates_the_lift_and_keeps_the_invariants() -> None:
+    trace = load_bundled_trace("gemma")
+    reqs = Requests.of(trace)
+    budget = budget_for(trace, 4)
+    policy = MoEPolicy()
+    policy.set_budget(budget)
+    policy.set_shape(reqs.shape)
+    drive(ResidencyTable(budget, policy), reqs, check_every=2000)
+    assert policy._lift.observed.sum() > 0 and policy._lift.expected.sum() > 0
