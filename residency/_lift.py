@@ -18,8 +18,8 @@ Where the predictor carries no information the ratios sit flat and nothing is re
 (synthetic traces with independent layers, docs/residency.md: within half a point of the
 uncalibrated policy), where it does they rise with the lift.  Measured on the bundled traces
 with the prompt's rows: 8 TD decode hits qwen 94.9 -> 95.2, gemma 93.5 -> 94.0; an uncalibrated
-lift (the ratio itself as the multiplier) gained as much there and lost up to 4 points on the
-synthetic traces.
+lift (the ratio itself as the multiplier) gained as much there and lost up to 5 points on the
+synthetic traces (``tools/synth_trace.py``).
 
 Constants are structural: two bins per doubling of the lift (as the hazard's count bins),
 clipped to 1/16 .. 16; one pseudo-observation per bin.
@@ -58,21 +58,32 @@ class ContextLift:
         self.stale = np.full((n_layers, n_expert), np.nan)
         self.observed = np.zeros(BINS)
         self.expected = np.zeros(BINS)
+        self._bins = np.zeros((n_layers, n_expert), dtype=np.int64)
+        self._stale_bins = np.zeros((n_layers, n_expert), dtype=np.int64)
+        self._known = np.zeros(n_layers, dtype=bool)
+        """Layers with a prediction (their ``current`` row is set): binned once, when made."""
 
     def predict(self, pos: int, probs: F64) -> None:
         """The co-activation predictor's probabilities for layer position ``pos``'s experts,
         made for this token's coming visit; the previous token's become the stale ones."""
         self.stale[pos] = self.current[pos]
+        self._stale_bins[pos] = self._bins[pos]
         self.current[pos] = probs
+        self._bins[pos] = lift_bin(probs)
+        self._known[pos] = True
 
-    def observe(self, pos: int, expected: F64, routed: npt.NDArray[np.bool_]) -> None:
-        """A visit of ``pos``: ``expected`` is each expert's use probability by its class
-        before the visit, ``routed`` whether the visit routed it; calibrates the lift the
-        previous token's prediction gave."""
-        stale = self.stale[pos]
-        if np.isnan(stale[0]):
-            return
-        bins = lift_bin(stale)
+    def stale_bins(self, pos: int) -> npt.NDArray[np.int64] | None:
+        """The lift bins the previous token's prediction gave layer position ``pos``'s
+        experts (what eviction used until this visit), or ``None`` before there is one."""
+        if np.isnan(self.stale[pos, 0]):
+            return None
+        out: npt.NDArray[np.int64] = self._stale_bins[pos].copy()
+        return out
+
+    def observe(self, bins: npt.NDArray[np.int64], expected: F64, routed: npt.NDArray[np.bool_]) -> None:
+        """Visits seen: for experts in lift bins ``bins`` (:meth:`stale_bins`), ``expected``
+        is each one's use probability by its class before the visit, ``routed`` whether the
+        visit routed it; one bincount for a whole token cycle's visits."""
         self.expected += np.bincount(bins, weights=expected, minlength=BINS)
         self.observed += np.bincount(bins, weights=routed.astype(np.float64), minlength=BINS)
 
@@ -80,12 +91,8 @@ class ContextLift:
         """The multiplier of the class hit probability of the experts of ``rows`` (1 where
         no prediction was made yet)."""
         ratio = (self.observed + 1.0) / (self.expected + 1.0)
-        probs = self.current[rows]
-        known = ~np.isnan(probs)
-        out: F64 = np.ones(probs.shape)
-        if known.any():
-            bins = lift_bin(np.where(known, probs, 0.0))
-            out = np.where(known, ratio[bins], 1.0)
+        known = self._known[rows]
+        out: F64 = np.where(known[..., None] if np.ndim(known) else known, ratio[self._bins[rows]], 1.0)
         return out
 
     def check(self) -> None:
@@ -93,3 +100,4 @@ class ContextLift:
             seen = table[~np.isnan(table)]
             assert np.all((seen >= 0) & (seen <= 1)), "a prediction outside [0, 1]"
         assert np.all(self.observed >= 0) and np.all(self.expected >= 0), "negative calibration"
+        assert np.array_equal(self._known, ~np.isnan(self.current[:, 0])), "known layers out of step"

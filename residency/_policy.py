@@ -38,7 +38,11 @@ the structural protocol, and LRU/LFU/Belady need not define them):
   while the engine computes: precompute what the next batch's misses will ask (``moe``
   ranks its victims for the coming layer here, so no miss waits for that sort);
 * ``on_wait(key, seconds) -> None``: the felt wait of a demand miss (time the engine spent
-  awaiting it), for a policy that weighs misses by their measured cost.
+  awaiting it), for a policy that weighs misses by their measured cost;
+* ``on_routing(layer, rows) -> None``: the router's output for a batch of tokens at ``layer``,
+  ``rows`` an ``int64 [tokens, k]`` array (-1 pads an empty slot), already validated: the
+  store forwards ``ExpertStore.observe_routing``, the replay a trace's prompt rows, before
+  the batch's requests.  ``moe`` learns which experts go together from it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ served is the one visited last again. LRU evicts precisely the layer that comes 
 ignores both the cycle and the fact that recently routed experts come back (see
 docs/residency.md). This policy ranks resident experts by *hit density*, the hits an expert's
 bytes are expected to buy per unit of time they are held (LHD, Beckmann et al., NSDI 2018),
-with three MoE-specific parts:
+with four MoE-specific parts:
 
 1. **Reuse from the run itself.** The probability of an expert being routed within the next
    ``h`` visits of its layer comes from an online hazard table over (age, count) classes
@@ -25,7 +25,13 @@ with three MoE-specific parts:
    :meth:`MoEPolicy.admit_prefetch`, which refuses unless the candidate's density beats every
    victim's (the eviction guard). A prefetched expert keeps its candidate density until the
    visit it was fetched for has passed (a minimum age, so the next batch's misses cannot
-   evict it first); the store publishes it only when its read succeeded.
+   evict it first); the store publishes it only when its read succeeded.  The co-activation
+   is learned from every token's picks, a prompt's included when the engine passes its
+   router's rows (:meth:`MoEPolicy.on_routing`, ``ExpertStore.observe_routing``).
+4. **The routing context.** The prediction for the next layer, over its layer's mean, lifts
+   or lowers each of that layer's experts' class hit probability by a factor measured on the
+   run (``residency/_lift.py``): which experts the text is routing toward now, as far as the
+   measurements say that predicts their reuse.
 
 ``cost`` is the felt wait of the layer's misses (:meth:`MoEPolicy.on_wait`, measured by the
 store: the time the engine spent awaiting ``acquire``, not the read's service time), relative
@@ -123,6 +129,8 @@ class MoEPolicy:
         self._lift = ContextLift(L, E)
         self._lam: F64 | None = None
         """The hazard table's per-visit use probabilities, as of the last rebuild."""
+        self._lift_observed: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], F64,
+                                        npt.NDArray[np.bool_]]] = []
         self._pins = _history.Pins(L, E)
         self._batch_pos = -1
         self._batch: list[int] = []
@@ -475,8 +483,9 @@ class MoEPolicy:
         # the outcome is the same and a batch costs a copy instead of two bincounts.
         ages, counts, routed = self._visits[pos] - self._last[pos], self._count[pos].copy(), self._in_batch[pos].copy()
         self._observed.append((ages, counts, routed))
-        if self._lam is not None and len(picks) <= self._k:  # a token's visit: calibrate the lift
-            self._lift.observe(pos, self._lam[age_bin(ages), count_bin(counts)], routed)
+        stale = self._lift.stale_bins(pos) if len(picks) <= self._k else None
+        if stale is not None:  # a token's visit: calibrates the lift (in _learn)
+            self._lift_observed.append((stale, ages, counts, routed))
         self._visits[pos] += 1
         self._count[pos, picks] += 1.0
         self._last[pos, picks] = self._visits[pos]
@@ -522,6 +531,11 @@ class MoEPolicy:
         if self._paired:
             self._coact.learn_many(self._paired)
             self._paired = []
+        if self._lift_observed and self._lam is not None:
+            bins, ages, counts, routed = zip(*self._lift_observed)
+            expected = self._lam[age_bin(np.concatenate(ages)), count_bin(np.concatenate(counts))]
+            self._lift.observe(np.concatenate(bins), expected, np.concatenate(routed))
+        self._lift_observed = []
         for pos, rows, next_rows in self._paired_rows:
             self._coact.learn_rows(pos, rows, next_rows)
         self._paired_rows = []

@@ -186,12 +186,13 @@ def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() ->
     assert np.array_equal(lift.factor(0), np.ones(8)) and lift.factor(slice(None)).shape == (2, 8)
     probs = np.array([0.9, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
     lift.predict(0, probs)
-    lift.observe(0, np.full(8, 0.25), np.zeros(8, dtype=bool))  # no stale prediction yet
-    assert not lift.expected.any() and not lift.observed.any()
+    assert lift.stale_bins(0) is None  # one prediction: nothing to calibrate yet
     routed = np.array([True, True, False, False, False, False, False, False])
     for _ in range(20):  # the favoured experts come back, the others do not
         lift.predict(0, probs)
-        lift.observe(0, np.full(8, 0.25), routed)
+        bins = lift.stale_bins(0)
+        assert bins is not None
+        lift.observe(bins, np.full(8, 0.25), routed)
     f = lift.factor(0)
     assert f[0] > 1 > f[2] and f[2] == f[7]  # same lift, same factor
     assert np.array_equal(lift.factor(1), np.ones(8))  # layer 1: still nothing predicted
@@ -207,8 +208,10 @@ def test_lift_without_information_stays_near_one() -> None:
     rng = np.random.default_rng(7)
     lift = ContextLift(1, 64)
     for _ in range(3000):
-        lift.predict(0, rng.dirichlet(np.ones(64)) * 4)  # a prediction unrelated to the outcome
-        lift.observe(0, np.full(64, 4 / 64), rng.random(64) < 4 / 64)
+        lift.predict(0, np.minimum(rng.dirichlet(np.ones(64)) * 4, 1.0))  # unrelated to the outcome
+        bins = lift.stale_bins(0)
+        if bins is not None:
+            lift.observe(bins, np.full(64, 4 / 64), rng.random(64) < 4 / 64)
     f = lift.factor(0)
     assert np.all((f > 0.75) & (f < 1.25)), f  # the factors in use: 0.95-1.03, noise, no trend
 
