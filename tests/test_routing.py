@@ -225,3 +225,20 @@ def test_replay_calibrates_the_lift_and_keeps_the_invariants() -> None:
     policy.set_shape(reqs.shape)
     drive(ResidencyTable(budget, policy), reqs, check_every=2000)
     assert policy._lift.observed.sum() > 0 and policy._lift.expected.sum() > 0
+
+
+def test_replay_cli_keys_only_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from tools import replay
+
+    argv = ["gemma", "--simulate", "--cycles", "1", "--policy", "lru,default"]
+    assert replay.main([*argv, "--json"]) == 0
+    with_rows = json.loads(capsys.readouterr().out)
+    assert replay.main([*argv, "--keys-only", "--json"]) == 0
+    keys_only = json.loads(capsys.readouterr().out)
+    assert with_rows["routing"] is True and keys_only["routing"] is False
+    lru = [r["hits"] for out in (with_rows, keys_only) for r in out["results"] if r["policy"] == "lru"]
+    assert lru[0] == lru[1]  # the request sequence is the same
+    assert replay.main([*argv, "--keys-only"]) == 0
+    assert "saw no router rows" in capsys.readouterr().out

@@ -807,6 +807,8 @@ def result_table(out: dict[str, Any]) -> Any:
     note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
             f"{out['requests']} requests ({out['decode_requests']} decode), "
             f"{out['distinct_experts']} distinct experts")
+    if out.get("routing") is False:
+        note += "; the policies saw no router rows (--keys-only, or no batch of several tokens)"
     if out.get("sizes_assumed"):
         note += f"; {SIZES_ASSUMED_NOTE}"
     return Group(table, Text(note, style="dim"))
