@@ -367,7 +367,8 @@ class MoEPolicy:
         """The router's output for a batch of several tokens at ``layer``: row ``t`` holds the
         experts token ``t`` routed (in slot order, padded with -1).  Pairs each row with the
         same token's row at the previous layer, when that layer's routing came just before
-        with as many rows; learned with the cycle's other observations (``_learn``).
+        with as many rows (never the first layer's with the last's: those are other tokens,
+        of a previous prompt or chunk); learned with the cycle's other observations (``_learn``).
 
         Why: a batch of many tokens (a prompt) reaches the policy as the union of its experts,
         which says nothing about which experts go together; its rows do, and they are all the
@@ -385,7 +386,9 @@ class MoEPolicy:
             raise StoreError(f"policy 'moe': routing for layer {layer} names an expert outside "
                              f"0..{self._E - 1}")
         prev = self._rows
-        if prev is not None and prev[0] == (pos - 1) % self._L and prev[1].shape[0] == rows.shape[0]:
+        # the layer before, of the same tokens: never across the wrap (the first layer's rows
+        # follow the last layer's of *other* tokens, a previous prompt or chunk)
+        if pos > 0 and prev is not None and prev[0] == pos - 1 and prev[1].shape[0] == rows.shape[0]:
             self._paired_rows.append((prev[0], prev[1], rows))
         self._rows = (pos, rows)
         self._routed_pos = pos

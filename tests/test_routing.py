@@ -242,3 +242,17 @@ def test_replay_cli_keys_only_says_so(capsys: pytest.CaptureFixture[str]) -> Non
     assert lru[0] == lru[1]  # the request sequence is the same
     assert replay.main([*argv, "--keys-only"]) == 0
     assert "saw no router rows" in capsys.readouterr().out
+
+
+def test_moe_never_pairs_a_prompts_first_layer_with_the_previous_prompts_last() -> None:
+    p = _policy()
+    rows = np.array([[0, 1], [2, 3]])
+    for turn in range(2):  # two prompts of two tokens each, same row count
+        for layer in range(3):
+            p.on_routing(layer, rows + turn * 4)
+            _request_batch(p, layer, sorted(set((rows + turn * 4).ravel().tolist())))
+    p.history()
+    counts = p._coact.counts
+    assert counts is not None
+    assert not counts[2].any()  # last layer -> first layer: nothing learned from rows
+    assert counts[0, 0, 1] == 1 and counts[0, 4, 5] == 1  # within each prompt: learned
