@@ -374,7 +374,7 @@ class MoEPolicy:
         which says nothing about which experts go together; its rows do, and they are all the
         co-activation evidence there is before the first decode token.  Measured with the
         bundled traces' prompts (28 and 29 tokens, docs/residency.md): 8 TD decode hits
-        93.7 -> 95.0 (qwen) and 92.6 -> 93.6 (gemma).  A single row is ignored: its batch, at
+        93.7 -> 94.9 (qwen) and 92.6 -> 93.5 (gemma).  A single row is ignored: its batch, at
         most ``k`` keys, is paired at its end already."""
         if self._shape is None or rows.ndim != 2 or rows.shape[0] <= 1:
             return
@@ -484,7 +484,8 @@ class MoEPolicy:
         # Learning is deferred to the token cycle's end (_rebuild), where one bincount takes a
         # whole cycle's observations: the density tables it feeds are rebuilt only there, so
         # the outcome is the same and a batch costs a copy instead of two bincounts.
-        ages, counts, routed = self._visits[pos] - self._last[pos], self._count[pos].copy(), self._in_batch[pos].copy()
+        ages, counts = self._visits[pos] - self._last[pos], self._count[pos].copy()
+        routed = self._in_batch[pos].copy()
         self._observed.append((ages, counts, routed))
         stale = self._lift.stale_bins(pos) if len(picks) <= self._k else None
         if stale is not None:  # a token's visit: calibrates the lift (in _learn)
@@ -493,13 +494,13 @@ class MoEPolicy:
         self._count[pos, picks] += 1.0
         self._last[pos, picks] = self._visits[pos]
         prev = self._prev
-        routed = self._routed_pos == pos  # learned row by row (on_routing): not again here
-        if routed:
+        from_rows = self._routed_pos == pos  # learned row by row (on_routing): not again here
+        if from_rows:
             self._routed_pos = -1
         elif (prev is not None and prev[0] == (pos - 1) % self._L and not self._prev_routed
                 and len(prev[1]) <= self._k and len(picks) <= self._k):
             self._paired.append((prev[0], prev[1], list(picks)))
-        self._prev, self._prev_routed = (pos, list(picks)), routed
+        self._prev, self._prev_routed = (pos, list(picks)), from_rows
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
         self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
