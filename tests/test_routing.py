@@ -256,3 +256,29 @@ def test_moe_never_pairs_a_prompts_first_layer_with_the_previous_prompts_last() 
     assert counts is not None
     assert not counts[2].any()  # last layer -> first layer: nothing learned from rows
     assert counts[0, 0, 1] == 1 and counts[0, 4, 5] == 1  # within each prompt: learned
+
+
+def test_a_two_turn_call_trace_replays_with_rows_and_invariants() -> None:
+    """Two prompts (several rows per layer) each followed by decode tokens: each prompt's rows
+    reach the policy, and the replay keeps every invariant."""
+    rng = np.random.default_rng(11)
+    lines, call = [], 0
+    for _turn in range(2):
+        for _fwd in range(1 + 6):  # a prompt of 4 tokens, then 6 decode tokens
+            rows = 4 if _fwd == 0 else 1
+            for layer in range(3):
+                for r in range(rows):
+                    picks = rng.choice(8, 2, replace=False).tolist()
+                    lines.append(f"{call} {r} {layer} " + " ".join(f"{e}:0.5" for e in picks))
+                call += 1
+    trace = load_call_trace_text("\n".join(lines) + "\n", "two-turns.calls")
+    assert trace.turns == (0, 1) and len(trace.routing) == 6
+    reqs = Requests.of(trace)
+    for cycles in (0.5, 2.0):
+        budget = budget_for(trace, cycles)
+        policy = MoEPolicy()
+        policy.set_budget(budget)
+        policy.set_shape(reqs.shape)
+        drive(ResidencyTable(budget, policy), reqs, check_every=1)
+        policy.history()
+        assert policy._coact.counts is not None and policy._coact.counts[0].sum() > 0
