@@ -82,11 +82,8 @@ def _model_shape(index: CheckpointIndex) -> ModelShape | None:
     k = index.experts_per_token
     if k is None or not index.experts:
         return None
-    sizes: dict[int, int] = {}
-    n_expert = 0
-    for (layer, expert), layout in index.experts.items():
-        sizes[layer] = max(sizes.get(layer, 0), layout.nbytes)
-        n_expert = max(n_expert, expert + 1)
+    sizes = index.expert_bytes_by_layer()
+    n_expert = 1 + max(expert for _, expert in index.experts)
     return ModelShape(layers=tuple(sorted(sizes)), n_expert=n_expert, experts_per_token=k,
                       expert_bytes=sizes)
 

@@ -125,7 +125,7 @@ class Requests:
     """The model's shape from the trace's header, for policies that use it."""
     key_bytes: dict[tuple[int, int], int]
     """Bytes of every (layer, expert) of the model (its layer's expert_bytes), prefetches included."""
-    routing: dict[int, tuple[int, npt.NDArray[np.int32]]] = field(default_factory=dict)
+    routing: dict[int, tuple[int, npt.NDArray[np.int64]]] = field(default_factory=dict)
     """By the index of a batch's first request: ``(layer, rows)``, the router's output of a
     batch of several tokens (``RouteTrace.routing``), which the driver hands to a policy's
     ``on_routing`` as the store's ``observe_routing`` does; empty for a keys-only replay."""
@@ -136,10 +136,11 @@ class Requests:
         layers = trace.req_layer.tolist()
         experts = trace.req_expert.tolist()
         batch = trace.req_batch.tolist()
-        starts: dict[int, tuple[int, npt.NDArray[np.int32]]] = {}
-        if routing and trace.routing:
+        starts: dict[int, tuple[int, npt.NDArray[np.int64]]] = {}
+        if routing and trace.routing:  # as on_routing takes them, converted once for every run
             first = np.flatnonzero(np.diff(trace.req_batch, prepend=-1)).tolist()
-            starts = {first[b]: (layers[first[b]], rows) for b, rows in trace.routing.items()}
+            starts = {first[b]: (layers[first[b]], rows.astype(np.int64))
+                      for b, rows in trace.routing.items()}
         return cls(
             routing=starts,
             keys=list(zip(layers, experts)),
@@ -379,8 +380,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     try:
         for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
             if i in routing and on_routing is not None:  # the engine knows its router's output first
-                layer, rows = routing[i]
-                on_routing(layer, rows.astype(np.int64))
+                on_routing(*routing[i])
             if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
                 token_prefetch = 0  # a new token (or the prefill) starts at the first layer
             hit = get(key) is not None
