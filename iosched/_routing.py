@@ -40,10 +40,12 @@ def routing_rows(index: CheckpointIndex, layer: Any, experts: Any) -> npt.NDArra
         raise StoreError(f"observe_routing: layer {layer}: experts must be [tokens, k], got "
                          f"shape {arr.shape}")
     rows = arr.astype(np.int64)  # a copy: the engine may reuse its buffer
-    for e in np.unique(rows).tolist():
-        if e != -1 and (layer, e) not in index.experts:
-            if not any(key[0] == layer for key in index.experts):
-                raise UnknownExpertError(f"observe_routing: no layer {layer} in {index.root} "
-                                         f"(layers {index.layers()[0]}..{index.layers()[-1]})")
-            raise UnknownExpertError(f"observe_routing: no expert ({layer}, {e}) in {index.root}")
+    named = [e for e in np.unique(rows).tolist() if e != -1]
+    missing = [e for e in named if (layer, e) not in index.experts]
+    if missing or not named:  # all padding names no expert, so say whether the layer exists
+        if not any(key[0] == layer for key in index.experts):
+            raise UnknownExpertError(f"observe_routing: no layer {layer} in {index.root} "
+                                     f"(layers {index.layers()[0]}..{index.layers()[-1]})")
+    if missing:
+        raise UnknownExpertError(f"observe_routing: no expert ({layer}, {missing[0]}) in {index.root}")
     return rows

@@ -156,6 +156,7 @@ async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpo
             (0, np.zeros((2, 2), dtype=np.float32), "integers"),
             (0, np.zeros((2, 2, 2), dtype=np.int64), "tokens, k"),
             ("0", rows, "layer must be an int"),
+            (LAYERS + 3, [[-1, -1]], f"layer {LAYERS + 3}"),  # padding only: the layer still checked
         ]
         for layer, experts, match in bad_calls:
             with pytest.raises(StoreError, match=match):
