@@ -235,6 +235,8 @@ async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
                                       telemetry=config.telemetry) as store:
         run = await drive_engine(store, trace, config.compute_ms / 1e3, config.max_tokens,
                                  on_token, decode_start=decode_start)
+        while store.stats()["loading"]:  # the last batch's prefetches land before the summary
+            await asyncio.sleep(0.001)
         stats = store.stats()
         stats["decode_felt_wait_s"] = run.decode_felt_wait_s
     return DemoResult(
