@@ -6,12 +6,9 @@ those that cannot, why; ``resolve(name)`` turns ``auto`` into a name, with the r
 
 from __future__ import annotations
 
-# The core first: it imports this package's modules, and they import its leaf modules, so a
-# program that starts with ``import backends`` would otherwise meet a half-initialised module.
 import os
 from typing import Sequence
 
-import iosched  # noqa: F401
 from iosched import _settings
 from iosched._errors import BackendUnavailable
 

@@ -373,11 +373,11 @@ def probe() -> str | None:
     segfault) yields a reason instead of killing the engine."""
     if not sys.executable:
         return _probe_here()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-            "from backends.uring import _probe_here; print(json.dumps(_probe_here()))")
+    # The child finds this package where the parent did: the parent's own search path.
+    code = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+            "from iosched.backends.uring import _probe_here; print(json.dumps(_probe_here()))")
     try:
-        proc = subprocess.run([sys.executable, "-c", code, root], capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(sys.path)], capture_output=True,
                               text=True, timeout=60, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return "io_uring: the probe process did not finish in 60 s"

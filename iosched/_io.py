@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence, TypeVar, cast
 
-import backends
+from iosched import backends
 
 from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 from ._errors import ReadError, StoreError

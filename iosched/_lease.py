@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Iterable
 
-from residency._table import Entry
+from iosched.residency._table import Entry
 
 from ._errors import StoreError
 from ._layout import ExpertKey

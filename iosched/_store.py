@@ -6,7 +6,7 @@ The data path of one ``acquire`` (``docs/design.md`` tells it in prose):
    No await, no allocation beyond the lease object.
 2. **join**: the entry is loading: pin it, await the load's future (shielded, so a cancelled
    waiter never cancels the load others wait on), then turn the pin into a lease.
-3. **miss**: reserve the expert's bytes in the :class:`residency.ResidencyTable` (evicting
+3. **miss**: reserve the expert's bytes in the :class:`iosched.residency.ResidencyTable` (evicting
    what the policy names, never a leased, pinned or loading entry); when nothing can be freed
    now, wait until a lease or a load ends.  Then start the load as a task of its own, and
    join it like any other waiter.
@@ -33,14 +33,12 @@ import time
 from dataclasses import asdict, fields
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
-import backends
+from iosched import backends
 
-# Submodules, not the package: ``import residency`` in a fresh interpreter runs this module
-# while ``residency/__init__`` is still half-initialised.
-from residency import _history
-from residency._policy import ModelShape, Policy
-from residency._table import Entry, EntryState, ResidencyTable
-from residency.registry import make_policy
+from iosched.residency import _history
+from iosched.residency._policy import ModelShape, Policy
+from iosched.residency._table import Entry, EntryState, ResidencyTable
+from iosched.residency.registry import make_policy
 
 from . import _settings
 from . import _routing, _sizing
@@ -220,7 +218,7 @@ class ExpertStore:
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
 
-        ``backend`` is a backend's name, or a :class:`backends.Backend` object (for example a
+        ``backend`` is a backend's name, or a :class:`iosched.backends.Backend` object (for example a
         fault-injecting wrapper around a real backend); ``None`` takes the ``backend`` setting.
 
         ``mirrors`` are folders (or files) holding byte-identical copies of the checkpoint on

@@ -464,7 +464,7 @@ async def probe_bandwidth(path_on_drive: str, qd: int = DEFAULT_QUEUE_DEPTH, bs:
     ``p50_ms``, ``p99_ms``, and ``direct``: False when the filesystem refused O_DIRECT and the
     numbers are the page cache's.  ``progress`` is called with the bytes of each finished read.
     """
-    import backends
+    from iosched import backends
     from . import _settings
 
     if qd < 1 or bs < 1 or max_bytes < 1 or seconds <= 0:

@@ -6,10 +6,6 @@ file) decide admission and eviction order.  ``make_policy(name)`` builds one by 
 
 from __future__ import annotations
 
-# The core first: it imports this package's modules, and they import its leaf modules, so a
-# program that starts with ``import residency`` would otherwise meet a half-initialised module.
-import iosched  # noqa: F401
-
 from ._policy import Key, Policy
 from ._table import Entry, EntryState, ResidencyTable
 from .lru import LRUPolicy

@@ -2,7 +2,7 @@
 
 After libCacheSim and Caffeine's simulator: a policy sees requests and membership changes
 and answers two questions, *admit this?* and *who goes first?*.  The driver
-(:class:`residency.ResidencyTable`) owns bytes, leases, statistics and the budget, and skips
+(:class:`iosched.residency.ResidencyTable`) owns bytes, leases, statistics and the budget, and skips
 victims it may not evict (leased, loading).  The store and the replay tool drive the very
 same policy objects through that table, so there is no second copy of any policy.
 
@@ -14,7 +14,7 @@ Keys are opaque hashables, ``(layer, expert)`` in practice.  Call order for one 
 ``key`` (``victims``, in the policy's own order, already filtered to evictable entries; empty
 when the bytes are free), so an admission filter can compare the candidate with what it
 would displace (W-TinyLFU, ``residency/wtinylfu.py``).  A rejected miss is served
-transiently (see :class:`residency.ResidencyTable`'s ``transient_bytes``).
+transiently (see :class:`iosched.residency.ResidencyTable`'s ``transient_bytes``).
 
 Optional hooks, called by the table only when the policy has them (so they are not part of
 the structural protocol, and LRU/LFU/Belady need not define them):

@@ -21,7 +21,7 @@ outnumber the live ones.
 
 Admission: every miss is admitted (``admit`` is always true).  "OPT with bypass" (do not cache
 an item whose next use is farther than every resident's) cannot do better through the
-:class:`~residency.ResidencyTable`: the store holds even a transient (not admitted) expert's
+:class:`~iosched.residency.ResidencyTable`: the store holds even a transient (not admitted) expert's
 bytes within the budget while it loads and is computed on, so the table evicts the same
 victims either way, and bypass would only leave the freed bytes empty where admission keeps
 an item that is evicted first when the bytes are needed.  ``bypass_budget=`` exists to measure

@@ -43,7 +43,7 @@ Demand misses are always admitted: an admission filter measured no gain on the b
 computes on it anyway.
 
 Nothing here is fitted to a trace: ``k``, ``L`` and the expert sizes come from the model's
-shape (:class:`~residency._policy.ModelShape`), the hazard and co-activation are learned on the
+shape (:class:`~iosched.residency._policy.ModelShape`), the hazard and co-activation are learned on the
 run, the horizon is measured; the remaining constants (bins, priors, the ~100-eviction
 average) are structural and say so where they are defined.
 

@@ -4,7 +4,7 @@ Why it exists: MoE routing is skewed and cyclic.  Below one token cycle of budge
 exactly the layer that comes next; a frequency filter keeps a stable set of hot experts
 resident and serves the cold misses transiently instead of letting them flush the hot ones.
 This is Caffeine's policy (Einziger, Friedman, Manes: "TinyLFU: A Highly Efficient Cache
-Admission Policy"), mapped onto :class:`residency.ResidencyTable`'s interface, byte-weighted
+Admission Policy"), mapped onto :class:`iosched.residency.ResidencyTable`'s interface, byte-weighted
 and lease-aware.
 
 Segments (all LRU ``OrderedDict``\\ s, oldest first, byte totals kept):
@@ -21,7 +21,7 @@ The capacity is what the table lets admitted entries use, given by the optional
 without it (a policy driven by hand) the capacity is the peak of the bytes the policy has
 held.
 
-Frequency: a :class:`~residency.sketch.CountMinSketch` incremented on every request, aged
+Frequency: a :class:`~iosched.residency.sketch.CountMinSketch` incremented on every request, aged
 (halved) every ``10 x`` the capacity in items (Caffeine's sample size); the capacity in items
 is the capacity in bytes over the mean size of the experts seen, or the peak resident count,
 whichever is larger.  The sketch's width follows the distinct keys seen (at least twice as

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar, Sequence
 
-from backends import Caps
-from backends.pread import PreadBackend
+from iosched.backends import Caps
+from iosched.backends.pread import PreadBackend
 
 
 class GatedBackend:

@@ -9,7 +9,7 @@ from typing import Callable, Mapping
 
 import pytest
 
-from tools.synth import write_gguf_moe, write_safetensors_moe
+from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -38,7 +38,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 def require_backend(name: str, needs: str | None = None) -> str:
     """``name``, or skip the test with the reason the backend ``needs`` (default: ``name``)
     cannot run here."""
-    import backends
+    from iosched import backends
 
     reason = backends.available()[needs or name]
     if reason is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import backends
+from iosched import backends
 from iosched import ExpertStore
 
 pytestmark = pytest.mark.asyncio

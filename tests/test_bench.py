@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from iosched import _settings
-from tools import bench
-from tools.fio import FioJob, engine_for, fio_binary, parse_report
+from iosched.tools import bench
+from iosched.tools.fio import FioJob, engine_for, fio_binary, parse_report
 
 CONTRACT = {"backend": str, "bs": int, "qd": int, "bytes": int, "seconds": float, "mbps": float,
             "p50_ms": float, "p99_ms": float}

@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tools import replay
-from tools.calltrace import (
+from iosched.tools import replay
+from iosched.tools.calltrace import (
     DEFAULT_EXPERT_BYTES,
     format_call_trace,
     is_call_line,
     load_call_trace,
     load_call_trace_text,
 )
-from tools.replay import Requests, budget_for, load_trace, simulate
+from iosched.tools.replay import Requests, budget_for, load_trace, simulate
 from tests.test_trace import assert_names_the_line
-from tools.trace import RouteTrace, TraceError, load_bundled_trace, load_route_trace_text
+from iosched.tools.trace import RouteTrace, TraceError, load_bundled_trace, load_route_trace_text
 
 ARRAYS = ("req_layer", "req_expert", "req_phase", "req_batch", "req_token", "req_turn")
 FACTS = ("expert_bytes", "dense_bytes", "k", "n_expert", "n_layer", "layers", "turns", "model",
@@ -419,7 +419,7 @@ def test_cli_expert_bytes_with_a_csv_file_fails_cleanly(tmp_path: Path) -> None:
     csv = tmp_path / "t.route.csv"
     csv.write_text(CSV)
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(csv), "--simulate",
+    result = subprocess.run([sys.executable, "-m", "iosched.tools.cli", "replay", str(csv), "--simulate",
                              "--policy", "lru", "--cycles", "1", "--expert-bytes", "4096"],
                             cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""

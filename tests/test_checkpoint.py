@@ -23,7 +23,7 @@ import safetensors.numpy
 from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError
 from iosched._layout import CheckpointIndex, ExpertLayout
-from tools.synth import write_gguf_moe, write_safetensors_moe
+from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 L, E, H, I = 3, 6, 64, 32  # layers, experts, hidden, intermediate
 SIZES: dict[str, Any] = dict(n_layers=L, n_experts=E, hidden=H, intermediate=I)

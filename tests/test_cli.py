@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from iosched import _settings
-from tools.cli import main
+from iosched.tools.cli import main
 
 CONTRACT_KEYS = {
     "requests", "hits", "misses", "single_flight_joins", "bytes_read", "resident_bytes",
@@ -76,8 +76,8 @@ def test_hitpath_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_settings_doc_is_current() -> None:
-    from tools.settings_doc import render
+    from iosched.tools.settings_doc import render
 
     assert (Path(__file__).parents[1] / "docs" / "settings.md").read_text() == render(), (
-        "docs/settings.md is stale: run python -m tools.settings_doc > docs/settings.md"
+        "docs/settings.md is stale: run python -m iosched.tools.settings_doc > docs/settings.md"
     )

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from iosched import StoreError, _settings
-from tools import replay
+from iosched.tools import replay
 
 CONTRACT_ROW = {"policy": str, "cycles": float, "budget_bytes": int, "requests": int,
                 "decode_hit": float, "byte_hit": float}
@@ -126,8 +126,8 @@ def test_eval_without_train_and_mismatched_eval(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize("scale", [0, 65, True, 2.0])
 def test_a_bad_scale_is_named(tmp_path: Path, scale: object) -> None:
-    from tools import demo
-    from tools.trace import load_bundled_trace
+    from iosched.tools import demo
+    from iosched.tools.trace import load_bundled_trace
 
     with pytest.raises(StoreError, match="--scale"):
         demo.demo_checkpoint(load_bundled_trace("gemma"), tmp_path, scale)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from iosched import _settings, _sizing
 from iosched._growth import BudgetGrowth, psi_memory_some_us
 from iosched._errors import StoreClosed
 from iosched._store import ExpertStore
-from tools.synth import write_safetensors_moe
+from iosched.tools.synth import write_safetensors_moe
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 4, 32, 16
 EXPERT_BYTES = 3 * HIDDEN * INTER * 2

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from iosched import ExpertStore, StoreError
 from iosched._errors import BudgetError
-from residency import POLICIES, ResidencyTable, make_policy
-from residency._cooc import CoActivation
-from residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
-from residency._policy import Key, ModelShape
-from residency.moe import MoEPolicy
-from residency.lru import LRUPolicy
+from iosched.residency import POLICIES, ResidencyTable, make_policy
+from iosched.residency._cooc import CoActivation
+from iosched.residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
+from iosched.residency._policy import Key, ModelShape
+from iosched.residency.moe import MoEPolicy
+from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_store import expected_bytes
 
@@ -317,7 +317,7 @@ def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path,
     name without being overwritten."""
     import asyncio
 
-    from residency import _history
+    from iosched.residency import _history
 
     path = tmp_path / "usage.npz"
 
@@ -360,7 +360,7 @@ def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path,
 
 
 def test_pins_have_hysteresis_and_a_byte_cap() -> None:
-    from residency._history import Pins
+    from iosched.residency._history import Pins
 
     pins = Pins(1, 4)
     pins.visits[:] = 10.0

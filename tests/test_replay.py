@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 
 from iosched._errors import StoreError
-from residency import POLICIES, ResidencyTable, make_policy
-from residency._policy import Key
-from residency.belady import NEVER, BeladyPolicy, next_uses
-from residency.lfu import LFUPolicy
-from tools import replay
-from tools.replay import Requests, budget_for, simulate
-from tools.trace import RouteTrace, load_bundled_trace, load_route_trace_text
+from iosched.residency import POLICIES, ResidencyTable, make_policy
+from iosched.residency._policy import Key
+from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
+from iosched.residency.lfu import LFUPolicy
+from iosched.tools import replay
+from iosched.tools.replay import Requests, budget_for, simulate
+from iosched.tools.trace import RouteTrace, load_bundled_trace, load_route_trace_text
 
 HAVE_LCS = importlib.util.find_spec("libcachesim") is not None
 needs_lcs = pytest.mark.skipif(not HAVE_LCS, reason="libcachesim is not installed "
@@ -416,8 +416,8 @@ def test_store_error_is_the_base() -> None:
         replay.parse_policies("belady,zzz")
 
 
-@pytest.mark.parametrize("statement", ["import residency.belady", "import residency.lfu",
-                                       "import tools.replay"])
+@pytest.mark.parametrize("statement", ["import iosched.residency.belady", "import iosched.residency.lfu",
+                                       "import iosched.tools.replay"])
 def test_modules_import_first_in_a_fresh_interpreter(statement: str) -> None:
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", statement], cwd=root, capture_output=True,

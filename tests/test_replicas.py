@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import backends
-from backends.throttle import ThrottledBackend
+from iosched import backends
+from iosched.backends.throttle import ThrottledBackend
 from iosched import ExpertStore, StoreError
 from iosched._mirrors import MirrorError
 from iosched._router import DEGRADE_AFTER, Replica, Router

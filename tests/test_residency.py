@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from iosched._errors import BudgetError, StoreError
-from residency import (
+from iosched.residency import (
     POLICIES,
     Entry,
     EntryState,
@@ -754,8 +754,8 @@ def test_make_policy_of_an_unknown_name_names_it() -> None:
 
 
 @pytest.mark.parametrize("statement", [
-    "import residency", "from residency import make_policy", "import backends",
-    "import residency.lru", "import backends.pread", "import tools.cli", "import iosched",
+    "import iosched.residency", "from iosched.residency import make_policy", "import iosched.backends",
+    "import iosched.residency.lru", "import iosched.backends.pread", "import iosched.tools.cli", "import iosched",
 ])
 def test_each_package_imports_first_in_a_fresh_interpreter(statement: str) -> None:
     root = Path(__file__).resolve().parents[1]

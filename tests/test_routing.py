@@ -11,14 +11,14 @@ import pytest
 
 from iosched import ExpertStore, StoreError
 from iosched._errors import UnknownExpertError
-from residency import ResidencyTable
-from residency._cooc import CoActivation
-from residency._policy import ModelShape
-from residency.moe import MoEPolicy
+from iosched.residency import ResidencyTable
+from iosched.residency._cooc import CoActivation
+from iosched.residency._policy import ModelShape
+from iosched.residency.moe import MoEPolicy
 from tests.conftest import EXPERTS, LAYERS
-from tools.calltrace import format_call_trace, load_call_trace_text
-from tools.replay import Requests, budget_for, drive, simulate
-from tools.trace import load_bundled_trace
+from iosched.tools.calltrace import format_call_trace, load_call_trace_text
+from iosched.tools.replay import Requests, budget_for, drive, simulate
+from iosched.tools.trace import load_bundled_trace
 
 SHAPE = ModelShape(layers=(0, 1, 2), n_expert=8, experts_per_token=2,
                    expert_bytes={0: 100, 1: 100, 2: 100})
@@ -181,7 +181,7 @@ async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpo
 
 
 def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() -> None:
-    from residency._lift import ContextLift
+    from iosched.residency._lift import ContextLift
 
     lift = ContextLift(2, 8)
     assert np.array_equal(lift.factor(0), np.ones(8)) and lift.factor(slice(None)).shape == (2, 8)
@@ -204,7 +204,7 @@ def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() ->
 
 
 def test_lift_without_information_stays_near_one() -> None:
-    from residency._lift import ContextLift
+    from iosched.residency._lift import ContextLift
 
     rng = np.random.default_rng(7)
     lift = ContextLift(1, 64)
@@ -231,7 +231,7 @@ def test_replay_calibrates_the_lift_and_keeps_the_invariants() -> None:
 def test_replay_cli_keys_only_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from tools import replay
+    from iosched.tools import replay
 
     argv = ["gemma", "--simulate", "--cycles", "1", "--policy", "lru,default"]
     assert replay.main([*argv, "--json"]) == 0

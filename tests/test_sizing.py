@@ -12,7 +12,7 @@ from iosched import _settings, _sizing
 from iosched._checkpoint import load_index
 from iosched._errors import BudgetError, CheckpointError
 from iosched._store import ExpertStore
-from tools.synth import write_gguf_moe, write_safetensors_moe
+from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 4, 32, 16
 EXPERT_BYTES = 3 * HIDDEN * INTER * 2  # gate, up, down in float16

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-import tools.soak
+from iosched.tools import soak as soak_tool
 from iosched import _settings
-from tools.cli import main
+from iosched.tools.cli import main
 
 
 def run_soak(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def test_soak_is_reproducible_in_its_faults(tmp_path: Path, capsys: pytest.Captu
 
 def test_wrong_bytes_fail_the_soak(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tools.soak, "_digest", lambda data: b"not the checksum")
+    monkeypatch.setattr(soak_tool, "_digest", lambda data: b"not the checksum")
     with _settings.override(cache_dir=str(tmp_path)), pytest.raises(SystemExit) as exit_:
         main(["soak", "--json", "--acquires", "50", "--layers", "2", "--experts", "8",
               "--tasks", "2", "--budget-experts", "8"])

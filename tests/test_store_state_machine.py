@@ -67,18 +67,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import backends
-from backends.faults import FaultPlan, Faults, FaultyBackend
+from iosched import backends
+from iosched.backends.faults import FaultPlan, Faults, FaultyBackend
 from iosched import ExpertStore, StoreError
 from iosched._checkpoint import load_index
 from iosched._layout import ExpertKey
 from iosched._lease import Lease, LeaseGroup
 from iosched._telemetry import COUNTERS, TIERS
 from iosched._view import ExpertView
-from residency._table import Entry, EntryState
+from iosched.residency._table import Entry, EntryState
 from tests.conftest import loop_factories
 from tests.test_store import expected_bytes
-from tools.synth import write_safetensors_moe
+from iosched.tools.synth import write_safetensors_moe
 
 T = TypeVar("T")
 

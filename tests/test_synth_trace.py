@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.replay import Requests, budget_for, simulate
-from tools.synth_trace import SynthShape, main, synth_trace_text
-from tools.trace import load_route_trace, load_route_trace_text
+from iosched.tools.replay import Requests, budget_for, simulate
+from iosched.tools.synth_trace import SynthShape, main, synth_trace_text
+from iosched.tools.trace import load_route_trace, load_route_trace_text
 
 SMALL = SynthShape(layers=6, experts=16, k=3, prompt=8, decode=24)
 

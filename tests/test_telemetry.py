@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-import backends
-from backends.faults import FaultPlan, FaultyBackend
+from iosched import backends
+from iosched.backends.faults import FaultPlan, FaultyBackend
 from iosched import ExpertStore, _settings
 from iosched._checkpoint import load_index
 from iosched._telemetry import COUNTERS, SECONDS, TIERS, start_exporter
 from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
-from tools.cli import main
+from iosched.tools.cli import main
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from iosched import StoreError
 from iosched._topology import (DeviceConfig, Discovery, Topology, TopologyError, drive_of, drives_of,
                                dump_topology, is_topology_file, load_topology, loads_topology, mount_of,
                                overlay_layers, probe_bandwidth, read_mountinfo, suggest_queue_depth)
-from tools import topology as topology_cli
+from iosched.tools import topology as topology_cli
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from iosched._errors import StoreError
-from tools.trace import (
+from iosched.tools.trace import (
     RouteTrace,
     TraceError,
     bundled_trace_names,

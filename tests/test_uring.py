@@ -20,9 +20,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from backends import Caps
-from backends import uring
-from backends.uring import BufferedUringBackend, UringBackend, probe
+from iosched.backends import Caps
+from iosched.backends import uring
+from iosched.backends.uring import BufferedUringBackend, UringBackend, probe
 from iosched import BackendUnavailable
 from tests.conftest import random_file
 

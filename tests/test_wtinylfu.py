@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iosched._errors import BudgetError
-from residency import POLICIES, Entry, Key, LRUPolicy, ResidencyTable, make_policy
-from residency.sketch import MAX_COUNT, CountMinSketch, key_hash
-from residency.wtinylfu import WTinyLFUPolicy
-from tools.replay import Requests, budget_for, simulate
-from tools.trace import load_bundled_trace
+from iosched.residency import POLICIES, Entry, Key, LRUPolicy, ResidencyTable, make_policy
+from iosched.residency.sketch import MAX_COUNT, CountMinSketch, key_hash
+from iosched.residency.wtinylfu import WTinyLFUPolicy
+from iosched.tools.replay import Requests, budget_for, simulate
+from iosched.tools.trace import load_bundled_trace
 
 UNIT = 1000
 

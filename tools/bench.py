@@ -47,8 +47,8 @@ from typing import Any, Awaitable, Callable, Iterator, Sequence, cast
 
 import numpy as np
 
-import backends
-from backends import Backend, Caps, ZeroCopyBackend
+from iosched import backends
+from iosched.backends import Backend, Caps, ZeroCopyBackend
 from iosched import StoreError, _settings
 from iosched._errors import BackendUnavailable, ReadError
 from iosched._topology import drive_of
@@ -288,7 +288,7 @@ def _make_backend(name: str, direct: bool | None, qd: int) -> tuple[Backend, str
             kwargs["entries"] = 1 << (qd - 1).bit_length()
     with _settings.override(pread_threads=max(1, qd)):
         if kwargs:  # a caching mode or ring size other than the store's: the class takes them
-            from backends.uring import UringBackend
+            from iosched.backends.uring import UringBackend
 
             backend: Backend = UringBackend(**kwargs)
         else:
@@ -874,7 +874,7 @@ def sweep_table(out: dict[str, Any]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``iosched bench`` on its own (tests, ``python -m tools.bench``); ``argv`` excludes
+    """``iosched bench`` on its own (tests, ``python -m iosched.tools.bench``); ``argv`` excludes
     ``bench``.  The command line's own entry point runs it, with its conventions."""
     from .cli import main as cli_main
 

@@ -2,7 +2,7 @@
 
 Why: engines that stream experts log their routing as they run, one text line per routed
 row (the ROUTE_TRACE text), not as ``route_trace v1`` CSV. Reading that text into the same
-:class:`~tools.trace.RouteTrace`, with the same request-sequence rules, lets ``iosched
+:class:`~iosched.tools.trace.RouteTrace`, with the same request-sequence rules, lets ``iosched
 replay`` judge a policy on those engines' traces without a conversion step that could drift.
 
 Format: each non-blank line is ``<call> <row> <layer> <expert>:<gate> <expert>:<gate> ...``,
@@ -32,7 +32,7 @@ k = most experts on one line, MoE layers = the layers routed. Expert sizes come 
 ``expert_bytes`` (``--expert-bytes``), else a uniform 1 MiB, and the trace says
 ``sizes_assumed``: byte figures then describe the assumption, not the model.
 
-Errors are :class:`~tools.trace.TraceError` naming ``file:line``.
+Errors are :class:`~iosched.tools.trace.TraceError` naming ``file:line``.
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def format_call_trace(trace: RouteTrace) -> str:
     turns renumbered 0, 1, ..., and routing), not for the gates. A
     trace whose forwards or turns the format cannot mark (a forward starting at a layer
     above the previous one's last, a turn not starting with prefill after decode) is a
-    :class:`~tools.trace.TraceError` rather than text that reads back otherwise.
+    :class:`~iosched.tools.trace.TraceError` rather than text that reads back otherwise.
     """
     fwds = _forwards(trace)
     for a, b in zip(fwds, fwds[1:]):

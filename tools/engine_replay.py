@@ -3,11 +3,11 @@
 Real-I/O replay (``iosched replay TRACE`` without ``--simulate``)
     Builds once, in the cache folder, the demo's safetensors checkpoint for the trace's shape
     (its MoE layers and experts, each expert scaled down as ``iosched demo`` does:
-    :func:`tools.demo.demo_checkpoint`), then for every budget and every policy, policies
+    :func:`iosched.tools.demo.demo_checkpoint`), then for every budget and every policy, policies
     interleaved per budget so that drift of the disk or the page cache hits every arm alike:
     drops the checkpoint from the page cache, opens ``ExpertStore(folder, budget_bytes=int(cycles
     x TD), policy=name, backend=...)`` with TD = k x the checkpoint's expert bytes summed over
-    layers, and replays the trace as the demo's engine does (:func:`tools.demo.drive_engine`:
+    layers, and replays the trace as the demo's engine does (:func:`iosched.tools.demo.drive_engine`:
     ``acquire_many`` per batch, an emulated compute sleep per layer, ``token_boundary`` per
     decode token).  A request is a hit when its expert was resident *or already loading* when
     it was asked for (a store hit or a single-flight join), the simulation's semantics; the
@@ -35,9 +35,9 @@ from typing import Any
 
 from iosched import ExpertStore, StoreError
 from iosched._checkpoint import load_index
-from residency import ResidencyTable
-from residency._policy import Policy
-from residency.belady import BeladyPolicy
+from iosched.residency import ResidencyTable
+from iosched.residency._policy import Policy
+from iosched.residency.belady import BeladyPolicy
 
 from . import demo
 from .replay import OFFLINE, Requests, _row, budget_for, build_policy, drive, simulate, transient_bytes_for

@@ -2,8 +2,8 @@
 
 Why it exists: a residency policy is chosen on hit ratios over real MoE routing, and those
 numbers are only worth something if they come from the very objects the store runs.  So the
-simulation drives a :class:`~residency.ResidencyTable` with a policy from
-:func:`~residency.make_policy`, request by request, exactly as the store does on ``acquire``
+simulation drives a :class:`~iosched.residency.ResidencyTable` with a policy from
+:func:`~iosched.residency.make_policy`, request by request, exactly as the store does on ``acquire``
 (there is no second copy of any policy):
 
     entry = table.get(key); hit = entry is not None
@@ -61,11 +61,11 @@ import numpy.typing as npt
 
 from iosched import StoreError, _settings
 from iosched._errors import BudgetError
-from residency import POLICIES, Entry, ResidencyTable, make_policy
-from residency._policy import Key, ModelShape, Policy
-from residency.belady import NEVER, BeladyPolicy, next_uses
-from residency.lfu import LFUPolicy
-from residency.moe import MoEPolicy
+from iosched.residency import POLICIES, Entry, ResidencyTable, make_policy
+from iosched.residency._policy import Key, ModelShape, Policy
+from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
+from iosched.residency.lfu import LFUPolicy
+from iosched.residency.moe import MoEPolicy
 
 from ._progress import run_progress
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
@@ -815,7 +815,7 @@ def result_table(out: dict[str, Any]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``iosched replay`` on its own (tests, ``python -m tools.replay``); ``argv`` excludes
+    """``iosched replay`` on its own (tests, ``python -m iosched.tools.replay``); ``argv`` excludes
     ``replay``.  The command line's own entry point runs it, with its conventions."""
     from .cli import main as cli_main
 

@@ -3,7 +3,7 @@ and striping equal against weighted, with the second drive slowed by a token buc
 
 Why a throttle: the development machine has one disk, and the question (does weighting by
 measured bandwidth beat equal weights when one drive is slower?) needs two drives of different
-speed.  The mirror is the same bytes in another folder; :class:`backends.throttle.ThrottledBackend`
+speed.  The mirror is the same bytes in another folder; :class:`iosched.backends.throttle.ThrottledBackend`
 paces its reads to ``--slow-fraction`` of the primary's measured bandwidth.  Every arm reads
 every expert of a real checkpoint once, cold (O_DIRECT), with ``--concurrency`` acquires in
 flight; arms run interleaved, ``--reps`` times, medians reported.
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import backends
-from backends.throttle import ThrottledBackend
+from iosched import backends
+from iosched.backends.throttle import ThrottledBackend
 from iosched import ExpertStore, StoreError, override_settings
 
 from . import _runner

@@ -4,7 +4,7 @@
    (36 KiB bf16 experts; Qwen3-30B-A3B's aspect ratio scaled down like the demo's).
 2. Computes every expert's expected checksum (BLAKE2b) from the primary's files with plain
    reads, independent of the store's read path.
-3. Opens the store over both replicas with a :class:`backends.faults.FaultyBackend` around the
+3. Opens the store over both replicas with a :class:`iosched.backends.faults.FaultyBackend` around the
    real backend: reads of the mirror fail with EIO, come back short, or stall for a latency
    spike, each with probability ``--fault-rate``.  The primary is healthy, so every acquire
    must succeed, by failover when its read went to the mirror.
@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-import backends
-from backends.faults import FaultPlan, FaultyBackend
+from iosched import backends
+from iosched.backends.faults import FaultPlan, FaultyBackend
 from iosched import ExpertStore, StoreError
 from iosched._checkpoint import load_index
 from iosched._layout import CheckpointIndex, ExpertKey

@@ -22,7 +22,7 @@ The first ``prompt`` tokens are prefill, the next ``decode`` tokens decode, one 
 ``# layer=`` sizes alternate between two values as in the bundled models' mixed quant types.
 Weights are written ``nan``: the model has no router.  Deterministic for a given seed.
 
-    python -m tools.synth_trace OUT.csv [--seed N] [--topics T] [--layers L] [--experts E] ...
+    python -m iosched.tools.synth_trace OUT.csv [--seed N] [--topics T] [--layers L] [--experts E] ...
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def synth_trace_text(shape: SynthShape, seed: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     d = SynthShape()
-    p = argparse.ArgumentParser(prog="python -m tools.synth_trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m iosched.tools.synth_trace", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the trace file to write")
     p.add_argument("--seed", type=int, default=1)
     for name in ("layers", "experts", "k", "prompt", "decode", "topics"):

@@ -272,7 +272,7 @@ def load_route_trace_text(text: str, source: str) -> RouteTrace:
 
 def bundled_trace_names() -> list[str]:
     """Names of the traces shipped as package data in ``tools/data`` (e.g. ``qwen``)."""
-    data = files("tools") / "data"
+    data = files("iosched.tools") / "data"
     if not data.is_dir():
         return []
     return sorted(p.name[: -len(_BUNDLED_SUFFIX)] for p in data.iterdir()
@@ -285,7 +285,7 @@ def bundled_trace_path(name: str = "qwen") -> Path:
     if name not in available:
         raise TraceError(f"no bundled trace named {name!r}; available: "
                          f"{', '.join(available) if available else '(none)'}")
-    res = files("tools") / "data" / f"{name}{_BUNDLED_SUFFIX}"
+    res = files("iosched.tools") / "data" / f"{name}{_BUNDLED_SUFFIX}"
     return res if isinstance(res, Path) else Path(str(res))
 
 
