@@ -7,7 +7,7 @@ those that cannot, why; ``resolve(name)`` turns ``auto`` into a name, with the r
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from iosched import _settings
 from iosched._errors import BackendUnavailable

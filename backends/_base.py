@@ -31,7 +31,8 @@ gone to the drive") for a backend without them, so wrappers and plain backends s
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, Sequence, cast
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 
 class Caps(enum.Flag):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from iosched._devices import logical_block_size
 from iosched._errors import ReadError

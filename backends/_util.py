@@ -8,7 +8,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def run_to_completion(fut: "asyncio.Future[T]") -> T:
+async def run_to_completion(fut: asyncio.Future[T]) -> T:
     """Await ``fut``; if the caller is cancelled, still wait for ``fut`` before re-raising.
 
     A read handed to a thread or a ring keeps writing into its buffer after the awaiting task

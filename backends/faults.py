@@ -30,8 +30,9 @@ import asyncio
 import os
 import random
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, cast
 
 from iosched._errors import ReadError
 
@@ -69,7 +70,7 @@ class FaultPlan:
     seed: int = 0
 
     @classmethod
-    def on(cls, prefix: str | os.PathLike[str], seed: int = 0, **faults: Any) -> "FaultPlan":
+    def on(cls, prefix: str | os.PathLike[str], seed: int = 0, **faults: Any) -> FaultPlan:
         """One rule: ``FaultPlan.on(mirror, eio_rate=0.1)``."""
         return cls({os.fspath(prefix): Faults(**faults)}, seed)
 

@@ -31,8 +31,9 @@ import errno
 import mmap
 import os
 import resource
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -89,7 +90,7 @@ class MmapBackend:
         self._fds = open_all(paths, 0)
         self._paths = list(paths)
         self._probe.open(paths)
-        for fd, path in zip(self._fds, self._paths):
+        for fd, path in zip(self._fds, self._paths, strict=True):
             size = os.fstat(fd).st_size
             if size == 0:
                 self._maps.append(None)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from iosched._errors import ReadError
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from iosched._errors import ReadError
 
 from ._base import Caps
 from ._util import run_to_completion
-
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 

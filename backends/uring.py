@@ -45,7 +45,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from iosched._errors import BackendUnavailable, ReadError
 
@@ -366,7 +367,7 @@ def _probe_here() -> str | None:
             os.close(efd)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe() -> str | None:
     """``None`` when io_uring works here, else why not; cached.  Probes in a fresh interpreter
     (once, ~0.15 s), so a liburing build that dies on this CPU or kernel (illegal instruction,

@@ -17,8 +17,8 @@ from ._errors import (
     UnknownExpertError,
 )
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
-from ._settings import override as override_settings
 from ._lease import Lease, LeaseGroup
+from ._settings import override as override_settings
 from ._stats import StoreStats
 from ._store import ExpertStore
 from ._view import ExpertView

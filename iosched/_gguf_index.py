@@ -107,7 +107,7 @@ def _tensor_table(path: Path) -> tuple[list[_GgufTensor], int | None]:
         reader = gguf.GGUFReader(path, "r")
         table = [_plain(t) for t in reader.tensors]
         k_key, k_value = _expert_used_count(reader)
-    except Exception as exc:  # noqa: BLE001 - any reader failure means a corrupt file
+    except Exception as exc:
         failure = f"{type(exc).__name__}: {exc}"
     reader = None  # drop the memory map now, and keep it out of the traceback below
     if failure:

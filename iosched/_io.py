@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence, TypeVar, cast
+from typing import TypeVar, cast
 
 from iosched import backends
 
-from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 from ._errors import ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
 from ._scheduler import HINT, DeviceQueue, Ticket
 from ._stats import DeviceStats
+from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 
 T = TypeVar("T")
 
@@ -151,14 +152,14 @@ class ReadPath:
             step = int(span.length * replica.weight / total) // align * align
             bounds.append(min(span.length, bounds[-1] + step))
         bounds.append(span.length)
-        legs = [(r, lo, hi) for r, lo, hi in zip(legs_of, bounds, bounds[1:]) if hi > lo]
+        legs = [(r, lo, hi) for r, lo, hi in zip(legs_of, bounds[:-1], bounds[1:], strict=True) if hi > lo]
         self.stripes += 1
         results = await asyncio.gather(
             *(self._one(r, span.offset + lo, hi - lo, buf[lo:hi], ticket) for r, lo, hi in legs),
             return_exceptions=True,
         )
         got = 0
-        for (replica, lo, hi), result in zip(legs, results):
+        for (replica, lo, hi), result in zip(legs, results, strict=True):
             if isinstance(result, BaseException):
                 if not isinstance(result, StoreError):
                     raise result

@@ -12,8 +12,9 @@ Invariants (checked by the index builders in ``_checkpoint``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,8 @@ only remembers which entry it holds, so releasing twice is harmless.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from iosched.residency._table import Entry
 
@@ -26,7 +27,7 @@ class Lease:
 
     __slots__ = ("_store", "_key", "_entry")
 
-    def __init__(self, store: "ExpertStore", key: ExpertKey) -> None:
+    def __init__(self, store: ExpertStore, key: ExpertKey) -> None:
         self._store = store
         self._key = key
         self._entry: Entry | None = None
@@ -63,7 +64,7 @@ class LeaseGroup:
 
     __slots__ = ("_store", "_keys", "_leases")
 
-    def __init__(self, store: "ExpertStore", keys: Iterable[ExpertKey]) -> None:
+    def __init__(self, store: ExpertStore, keys: Iterable[ExpertKey]) -> None:
         self._store = store
         self._keys = list(keys)
         self._leases: list[Lease] = []
@@ -74,7 +75,7 @@ class LeaseGroup:
         leases = [Lease(store, key) for key in self._keys]
         views: list[ExpertView | None] = [None] * len(leases)
         pending: dict[asyncio.Task[ExpertView], int] = {}
-        for i, (lease, layout) in enumerate(zip(leases, layouts)):
+        for i, (lease, layout) in enumerate(zip(leases, layouts, strict=True)):
             entry = store._try_hit(layout)
             if entry is not None:
                 lease._entry = entry
@@ -103,7 +104,7 @@ class LeaseGroup:
             lease.release()
 
 
-async def _settle(tasks: list["asyncio.Task[ExpertView]"]) -> None:
+async def _settle(tasks: list[asyncio.Task[ExpertView]]) -> None:
     """Wait until every task is done; on cancellation cancel them, wait again, re-raise."""
     try:
         await asyncio.wait(tasks)

@@ -12,7 +12,7 @@ reading the whole checkpoint twice at open would cost minutes on real models.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._errors import StoreError
 from ._layout import CheckpointIndex

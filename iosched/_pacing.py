@@ -20,7 +20,7 @@ starts only on a drive with no demand read in flight or queued.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 BANDWIDTH_MEMORY = 8
 """Intervals the bandwidth average spans (decay 1 - 1/8)."""

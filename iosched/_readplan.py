@@ -16,8 +16,8 @@ block-aligned position of the slab; the expert's bytes then start ``head`` bytes
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

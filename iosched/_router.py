@@ -22,8 +22,8 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
 
 DEGRADE_AFTER = 3
 """Consecutive failed reads that mark a replica degraded: one error can be a bad sector, three

@@ -44,7 +44,7 @@ class Ticket:
     def __init__(self, priority: int) -> None:
         self.priority = priority
         self.prefetch = priority == PREFETCH
-        self._waiting: list[tuple["DeviceQueue", "_Waiter"]] = []
+        self._waiting: list[tuple[DeviceQueue, _Waiter]] = []
 
     def promote(self) -> None:
         if self.priority == DEMAND:
@@ -62,7 +62,7 @@ class Ticket:
 class _Waiter:
     __slots__ = ("fut", "priority", "speculative")
 
-    def __init__(self, fut: "asyncio.Future[None]", priority: int) -> None:
+    def __init__(self, fut: asyncio.Future[None], priority: int) -> None:
         self.fut = fut
         self.priority = priority
         self.speculative = False

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ._errors import StoreError
 

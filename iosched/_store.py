@@ -30,33 +30,32 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, fields
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 from iosched import backends
-
 from iosched.residency import _history
 from iosched.residency._policy import ModelShape, Policy
 from iosched.residency._table import Entry, EntryState, ResidencyTable
 from iosched.residency.registry import make_policy
 
-from . import _settings
-from . import _routing, _sizing
-from ._growth import BudgetGrowth
+from . import _routing, _settings, _sizing
 from ._checkpoint import load_index
-from ._io import ReadPath
-from ._mirrors import find_replicas
-from ._pacing import IdlePacer
 from ._errors import BudgetError, ReadError, StoreClosed, StoreError, UnknownExpertError
+from ._growth import BudgetGrowth
+from ._io import ReadPath
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from ._lease import Lease, LeaseGroup
+from ._mirrors import find_replicas
+from ._pacing import IdlePacer
 from ._readplan import ReadPlan, pack, plan_reads
 from ._router import POLICIES as ROUTING_POLICIES
 from ._scheduler import DEMAND, PREFETCH, Ticket
-from ._topology import Discovery, is_topology_file, load_topology
 from ._slab import Slab, SlabPool
 from ._stats import StoreStats
 from ._telemetry import TokenTelemetry
+from ._topology import Discovery, is_topology_file, load_topology
 from ._view import ExpertView
 
 log = logging.getLogger("iosched")
@@ -203,7 +202,7 @@ class ExpertStore:
         cls,
         source: str | os.PathLike[str],
         budget_bytes: int | str,
-        backend: "str | backends.Backend | None" = "auto",
+        backend: str | backends.Backend | None = "auto",
         policy: str | None = "default",
         mirrors: Sequence[str | os.PathLike[str]] = (),
         *,
@@ -214,7 +213,7 @@ class ExpertStore:
         experts_per_token: int | None = None,
         telemetry: str | os.PathLike[str] | None = None,
         history: str | os.PathLike[str] | None = None,
-    ) -> "ExpertStore":
+    ) -> ExpertStore:
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
 
@@ -393,7 +392,7 @@ class ExpertStore:
         self._pool.close()
         self._backend.close()
 
-    async def __aenter__(self) -> "ExpertStore":
+    async def __aenter__(self) -> ExpertStore:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -438,7 +437,7 @@ class ExpertStore:
             wanted[layout.key] = layout
         entries = self._table.reserve_speculative_many([(k, lay.nbytes) for k, lay in wanted.items()])
         started: list[ExpertKey] = []
-        for layout, entry in zip(wanted.values(), entries):
+        for layout, entry in zip(wanted.values(), entries, strict=True):
             if entry is None:  # no room without a leased/pinned/loading victim, or the
                 self._prefetch_dropped += 1  # policy's eviction guard refused
                 continue

@@ -21,7 +21,8 @@ import json
 import os
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._store import ExpertStore
@@ -56,7 +57,7 @@ class TokenTelemetry:
         self._interval = 0
         self.lines = 0
 
-    def record(self, store: "ExpertStore", end: str = "boundary") -> dict[str, Any] | None:
+    def record(self, store: ExpertStore, end: str = "boundary") -> dict[str, Any] | None:
         """Write the record of the interval ending now (``end``: ``"boundary"`` or ``"close"``);
         returns it, or ``None`` once closed."""
         if self._file is None:
@@ -139,7 +140,7 @@ class PrometheusExporter:
     """Serves ``iosched_*`` metrics of one store over HTTP; :meth:`close` stops the server.
     Create with :func:`start_exporter`."""
 
-    def __init__(self, store: "ExpertStore", port: int = 0, addr: str = "127.0.0.1") -> None:
+    def __init__(self, store: ExpertStore, port: int = 0, addr: str = "127.0.0.1") -> None:
         # An optional dependency: the ignores keep mypy green where it is not installed.
         from prometheus_client import CollectorRegistry, start_http_server  # type: ignore[import-not-found, unused-ignore]
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # type: ignore[import-not-found, unused-ignore]
@@ -191,14 +192,14 @@ class PrometheusExporter:
             self._thread.join()
             self._thread = None
 
-    def __enter__(self) -> "PrometheusExporter":
+    def __enter__(self) -> PrometheusExporter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
-def start_exporter(store: "ExpertStore", port: int = 0, addr: str = "127.0.0.1") -> PrometheusExporter:
+def start_exporter(store: ExpertStore, port: int = 0, addr: str = "127.0.0.1") -> PrometheusExporter:
     """Serve ``store``'s metrics at ``http://addr:port/metrics`` (``port=0``: a free port, see
     ``.port``) until the exporter's :meth:`~PrometheusExporter.close` or the store's ``close``.
     Needs ``prometheus-client`` (``ImportError`` without it)."""

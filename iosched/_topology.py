@@ -28,13 +28,24 @@ import os
 import random
 import stat
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ._errors import StoreError
-from ._topology_toml import (DEFAULT_QUEUE_DEPTH, DEFAULT_ROUTING_POLICY, DEFAULT_STRIPE_THRESHOLD,
-                             ROUTING_POLICIES, DeviceConfig, Topology, TopologyError, dump_topology,
-                             is_topology_file, load_topology, loads_topology)
+from ._topology_toml import (
+    DEFAULT_QUEUE_DEPTH,
+    DEFAULT_ROUTING_POLICY,
+    DEFAULT_STRIPE_THRESHOLD,
+    ROUTING_POLICIES,
+    DeviceConfig,
+    Topology,
+    TopologyError,
+    dump_topology,
+    is_topology_file,
+    load_topology,
+    loads_topology,
+)
 
 __all__ = [
     "DEFAULT_QUEUE_DEPTH", "DEFAULT_ROUTING_POLICY", "DEFAULT_STRIPE_THRESHOLD", "ROUTING_POLICIES",
@@ -465,6 +476,7 @@ async def probe_bandwidth(path_on_drive: str, qd: int = DEFAULT_QUEUE_DEPTH, bs:
     numbers are the page cache's.  ``progress`` is called with the bytes of each finished read.
     """
     from iosched import backends
+
     from . import _settings
 
     if qd < 1 or bs < 1 or max_bytes < 1 or seconds <= 0:

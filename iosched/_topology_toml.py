@@ -31,8 +31,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import StoreError
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +33,7 @@ class ExpertView:
         self.tensors = tensors
 
     @classmethod
-    def over(cls, layout: ExpertLayout, buffer: memoryview) -> "ExpertView":
+    def over(cls, layout: ExpertLayout, buffer: memoryview) -> ExpertView:
         """Views of ``layout`` over ``buffer`` (the extents back to back), made read-only."""
         ro = buffer.toreadonly()
         data = np.frombuffer(ro, dtype=np.uint8, count=layout.nbytes)

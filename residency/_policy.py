@@ -47,9 +47,9 @@ the structural protocol, and LRU/LFU/Belady need not define them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Hashable, Iterator, Protocol, Sequence
+from typing import ClassVar, Protocol
 
 Key = Hashable
 

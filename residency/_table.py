@@ -37,7 +37,8 @@ loads and is computed on), and ``None`` means the evictable entries cannot free 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from iosched._errors import BudgetError
 

@@ -8,7 +8,8 @@ is why the project's default policy will differ; it stays as the reference.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 from ._policy import Key
 

@@ -229,7 +229,7 @@ class MoEPolicy:
         self._refresh()
         if self._order_version != self._version or self._order_cursor != self._cursor():
             self._sort_victims(self._cursor())
-        E, L, layers = self._E, self._L, self._layers
+        E, layers = self._E, self._layers
         resident = self._resident.ravel()
         small = self._next_layer_order()
         filling = 0 < len(self._batch) < self._k
@@ -276,7 +276,7 @@ class MoEPolicy:
         vals = np.where(np.isnan(pend), vals, pend)
         idx = np.flatnonzero(self._resident[nxt])
         order = idx[np.argsort(vals[idx], kind="stable")]
-        self._small_pairs = list(zip(vals[order].tolist(), (order + nxt * E).tolist()))
+        self._small_pairs = list(zip(vals[order].tolist(), (order + nxt * E).tolist(), strict=True))
         self._small_key = key
 
     def prepare(self) -> None:
@@ -318,7 +318,7 @@ class MoEPolicy:
         else:
             first, rest = np.arange(idx.size), np.arange(0)
         first = first[np.argsort(vals[first], kind="stable")]
-        self._order_head = list(zip(vals[first].tolist(), idx[first].tolist()))
+        self._order_head = list(zip(vals[first].tolist(), idx[first].tolist(), strict=True))
         self._order_rest = (vals[rest], idx[rest])
         self._in_order[:] = False
         self._in_order[idx] = True
@@ -333,7 +333,7 @@ class MoEPolicy:
         vals, idx = self._order_rest
         if idx.size:
             order = np.argsort(vals, kind="stable")
-            yield from zip(vals[order].tolist(), idx[order].tolist())
+            yield from zip(vals[order].tolist(), idx[order].tolist(), strict=True)
 
     def on_wait(self, key: Key, seconds: float) -> None:
         pos, _ = self._locate(key)
@@ -529,14 +529,14 @@ class MoEPolicy:
     def _learn(self) -> None:
         """Fold the cycle's deferred observations into the hazard and co-activation tables."""
         if self._observed:
-            ages, counts, routed = zip(*self._observed)
+            ages, counts, routed = zip(*self._observed, strict=True)
             self._hazard.observe(np.concatenate(ages), np.concatenate(counts), np.concatenate(routed))
             self._observed = []
         if self._paired:
             self._coact.learn_many(self._paired)
             self._paired = []
         if self._lift_observed and self._lam is not None:
-            bins, ages, counts, routed = zip(*self._lift_observed)
+            bins, ages, counts, routed = zip(*self._lift_observed, strict=True)
             expected = self._lam[age_bin(np.concatenate(ages)), count_bin(np.concatenate(counts))]
             self._lift.observe(np.concatenate(bins), expected, np.concatenate(routed))
         self._lift_observed = []

@@ -26,7 +26,7 @@ from a trace.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 import numpy.typing as npt

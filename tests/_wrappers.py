@@ -6,7 +6,8 @@ Not a mock: every byte still comes from the real backend reading the real file.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from iosched.backends import Caps
 from iosched.backends.pread import PreadBackend

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import pytest
 

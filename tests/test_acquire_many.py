@@ -23,7 +23,7 @@ async def test_views_in_key_order_mixing_hits_and_misses(st_checkpoint: Path) ->
         keys = [(1, 5), (1, 3), (1, 0), (1, 7)]
         async with store.acquire_many(keys) as views:
             assert [v.key for v in views] == keys
-            for key, view in zip(keys, views):
+            for key, view in zip(keys, views, strict=True):
                 assert view.data.tobytes() == expected_bytes(store.index, key)
             assert store.stats()["leased"] == 4
         s = store.stats()

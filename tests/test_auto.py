@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from iosched import backends
-from iosched import ExpertStore
+from iosched import ExpertStore, backends
 
 pytestmark = pytest.mark.asyncio
 

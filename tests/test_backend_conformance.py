@@ -20,9 +20,8 @@ from typing import Any
 
 import pytest
 
-from iosched import backends
+from iosched import ExpertStore, ReadError, backends
 from iosched.backends import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
-from iosched import ExpertStore, ReadError
 from iosched.backends.uring import UringBackend
 from tests.conftest import EXPERTS, LAYERS, drop_page_cache, random_file, require_backend, warm_page_cache
 from tests.test_store import expected_bytes

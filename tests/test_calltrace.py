@@ -33,8 +33,8 @@ from iosched.tools.calltrace import (
     load_call_trace_text,
 )
 from iosched.tools.replay import Requests, budget_for, load_trace, simulate
-from tests.test_trace import assert_names_the_line
 from iosched.tools.trace import RouteTrace, TraceError, load_bundled_trace, load_route_trace_text
+from tests.test_trace import assert_names_the_line
 
 ARRAYS = ("req_layer", "req_expert", "req_phase", "req_batch", "req_token", "req_turn")
 FACTS = ("expert_bytes", "dense_bytes", "k", "n_expert", "n_layer", "layers", "turns", "model",

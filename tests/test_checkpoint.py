@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -25,8 +26,8 @@ from iosched._errors import CheckpointError
 from iosched._layout import CheckpointIndex, ExpertLayout
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
-L, E, H, I = 3, 6, 64, 32  # layers, experts, hidden, intermediate
-SIZES: dict[str, Any] = dict(n_layers=L, n_experts=E, hidden=H, intermediate=I)
+L, E, H, INTER = 3, 6, 64, 32  # layers, experts, hidden, intermediate
+SIZES: dict[str, Any] = dict(n_layers=L, n_experts=E, hidden=H, intermediate=INTER)
 QWEN_ORDER = ["down_proj", "gate_proj", "up_proj"]  # safetensors sorts tensors by name
 MIXTRAL_ORDER = ["gate_proj", "down_proj", "up_proj"]  # w1, w2, w3
 
@@ -109,7 +110,7 @@ def test_single_file(tmp_path: Path) -> None:
     assert type(index.experts) is dict
     assert sorted(index.experts) == [(layer, e) for layer in range(L) for e in range(E)]
     assert index.layers() == list(range(L))
-    assert index.expert_bytes_by_layer() == {layer: 3 * H * I * 2 for layer in range(L)}
+    assert index.expert_bytes_by_layer() == {layer: 3 * H * INTER * 2 for layer in range(L)}
     tensors = safetensors.numpy.load_file(str(file))
     for key in [(0, 0), (1, 3), (L - 1, E - 1)]:
         check_expert(index, key, qwen_expected(tensors, *key), QWEN_ORDER)
@@ -221,7 +222,7 @@ def test_gguf(tmp_path: Path) -> None:
     del reader
     for key in [(0, 0), (1, E // 2), (L - 1, E - 1)]:
         expected = {f"{r}_proj": merged[f"blk.{key[0]}.ffn_{r}_exps.weight"][key[1]] for r in ("gate", "up", "down")}
-        assert expected["gate_proj"].shape == (I, H) and expected["down_proj"].shape == (H, I)
+        assert expected["gate_proj"].shape == (INTER, H) and expected["down_proj"].shape == (H, INTER)
         check_expert(index, key, expected, ["gate_proj", "up_proj", "down_proj"])
     # Three merged tensors: an expert is three separate slices, so three extents.
     assert all(len(lay.extents) == 3 for lay in index.experts.values())
@@ -232,7 +233,7 @@ def test_gguf_float32_in_a_folder(tmp_path: Path) -> None:
     index = load_index(path.parent)
     assert index.format == "gguf" and index.files == (os.path.abspath(path),)
     assert index.experts[(0, 0)].tensors[0].dtype == np.float32
-    assert index.expert_bytes_by_layer() == {layer: 3 * H * I * 4 for layer in range(L)}
+    assert index.expert_bytes_by_layer() == {layer: 3 * H * INTER * 4 for layer in range(L)}
 
 
 def _mapped(path: Path) -> bool:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from iosched import backends
+from iosched import ExpertStore, ReadError, backends
 from iosched.backends.faults import FaultPlan, Faults, FaultyBackend, replace_file, truncate_file
-from iosched import ExpertStore, ReadError
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from iosched import _settings, _sizing
-from iosched._growth import BudgetGrowth, psi_memory_some_us
 from iosched._errors import StoreClosed
+from iosched._growth import BudgetGrowth, psi_memory_some_us
 from iosched._store import ExpertStore
 from iosched.tools.synth import write_safetensors_moe
 
@@ -22,11 +22,11 @@ EXPERT_BYTES = 3 * HIDDEN * INTER * 2
 TD = LAYERS * EXPERT_BYTES  # k = 1
 
 
-def clock(*values: int | None) -> "list[int | None]":
+def clock(*values: int | None) -> list[int | None]:
     return list(values)
 
 
-def stall_from(values: "list[int | None]") -> "BudgetGrowth":
+def stall_from(values: list[int | None]) -> BudgetGrowth:
     feed = iter(values)
     return BudgetGrowth(100, 200, 10, stall_us=lambda: next(feed))
 

@@ -18,8 +18,8 @@ from iosched.residency import POLICIES, ResidencyTable, make_policy
 from iosched.residency._cooc import CoActivation
 from iosched.residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
 from iosched.residency._policy import Key, ModelShape
-from iosched.residency.moe import MoEPolicy
 from iosched.residency.lru import LRUPolicy
+from iosched.residency.moe import MoEPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_store import expected_bytes
 
@@ -214,7 +214,8 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
     from iosched import _settings
 
     async def main() -> dict[str, Any]:
-        one = max(layout.nbytes for layout in (await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)).index.experts.values())
+        probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
+        one = max(layout.nbytes for layout in probe.index.experts.values())
         async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
                                           policy="default", experts_per_token=2) as store:
             for t in range(12):
@@ -222,7 +223,7 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
                     keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
                     async with store.acquire_many(keys) as views:
                         await asyncio.sleep(0)  # the engine computes: the proposals go out
-                        for key, view in zip(keys, views):
+                        for key, view in zip(keys, views, strict=True):
                             assert view.data.tobytes() == expected_bytes(store.index, key)
                 store.token_boundary()
             await asyncio.sleep(0.05)

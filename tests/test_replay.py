@@ -82,7 +82,7 @@ def check_contract(out: dict[str, Any]) -> None:
 def test_lru_and_belady_reproduce_the_issue_table(real: tuple[str, RouteTrace, Requests]) -> None:
     name, trace, reqs = real
     for policy, expected in ISSUE_TABLE[name].items():
-        for cycles, want in zip(ISSUE_CYCLES, expected):
+        for cycles, want in zip(ISSUE_CYCLES, expected, strict=True):
             row = simulate(reqs, policy, cycles, budget_for(trace, cycles))
             got = 100 * row["decode_hit"]
             assert abs(got - want) <= 1.0, f"{name} {policy} @ {cycles} TD: {got:.2f} vs issue {want}"

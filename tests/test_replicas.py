@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from iosched import backends
-from iosched.backends.throttle import ThrottledBackend
-from iosched import ExpertStore, StoreError
+from iosched import ExpertStore, StoreError, backends
 from iosched._mirrors import MirrorError
 from iosched._router import DEGRADE_AFTER, Replica, Router
 from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
+from iosched.backends.throttle import ThrottledBackend
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, cast
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -462,7 +463,7 @@ def test_remove_of_an_entry_not_in_the_table_is_refused() -> None:
 
 KEYS: list[Key] = [(layer, expert) for layer in range(3) for expert in range(4)]
 SIZES: dict[Key, int] = {
-    key: UNIT * size for key, size in zip(KEYS, [1, 2, 3, 1, 2, 1, 3, 2, 1, 2, 1, 3])
+    key: UNIT * size for key, size in zip(KEYS, [1, 2, 3, 1, 2, 1, 3, 2, 1, 2, 1, 3], strict=True)
 }
 BUDGET = 8 * UNIT  # sizes are 1 to 3 units (mean ~1.8): about 4 to 6 experts fit
 

@@ -15,10 +15,10 @@ from iosched.residency import ResidencyTable
 from iosched.residency._cooc import CoActivation
 from iosched.residency._policy import ModelShape
 from iosched.residency.moe import MoEPolicy
-from tests.conftest import EXPERTS, LAYERS
 from iosched.tools.calltrace import format_call_trace, load_call_trace_text
 from iosched.tools.replay import Requests, budget_for, drive, simulate
 from iosched.tools.trace import load_bundled_trace
+from tests.conftest import EXPERTS, LAYERS
 
 SHAPE = ModelShape(layers=(0, 1, 2), n_expert=8, experts_per_token=2,
                    expert_bytes={0: 100, 1: 100, 2: 100})
@@ -45,7 +45,7 @@ def test_learn_rows_adds_what_learn_many_adds_token_by_token() -> None:
     rows = np.stack([rng.choice(16, 4, replace=False) for _ in range(30)])
     nxt = np.stack([rng.choice(16, 4, replace=False) for _ in range(30)])
     a.learn_rows(0, rows, nxt)
-    b.learn_many([(0, r.tolist(), n.tolist()) for r, n in zip(rows, nxt)])
+    b.learn_many([(0, r.tolist(), n.tolist()) for r, n in zip(rows, nxt, strict=True)])
     assert a.counts is not None and b.counts is not None
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.picks, b.picks)
 

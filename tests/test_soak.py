@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from iosched.tools import soak as soak_tool
 from iosched import _settings
+from iosched.tools import soak as soak_tool
 from iosched.tools.cli import main
 
 

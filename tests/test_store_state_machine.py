@@ -54,8 +54,9 @@ import asyncio
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterator, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -67,18 +68,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from iosched import backends
-from iosched.backends.faults import FaultPlan, Faults, FaultyBackend
-from iosched import ExpertStore, StoreError
+from iosched import ExpertStore, StoreError, backends
 from iosched._checkpoint import load_index
 from iosched._layout import ExpertKey
 from iosched._lease import Lease, LeaseGroup
 from iosched._telemetry import COUNTERS, TIERS
 from iosched._view import ExpertView
+from iosched.backends.faults import FaultPlan, Faults, FaultyBackend
 from iosched.residency._table import Entry, EntryState
+from iosched.tools.synth import write_safetensors_moe
 from tests.conftest import loop_factories
 from tests.test_store import expected_bytes
-from iosched.tools.synth import write_safetensors_moe
 
 T = TypeVar("T")
 
@@ -140,7 +140,7 @@ class Pending:
 
     __slots__ = ("keys", "task", "held")
 
-    def __init__(self, keys: list[ExpertKey], task: "asyncio.Task[Any]",
+    def __init__(self, keys: list[ExpertKey], task: asyncio.Task[Any],
                  held: Callable[[Any], Held]) -> None:
         self.keys = keys
         self.task = task
@@ -221,7 +221,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.acquire_errors += 1
             else:
                 h = p.held(p.task.result())
-                for key, view in zip(h.keys, h.views):
+                for key, view in zip(h.keys, h.views, strict=True):
                     assert view.data.tobytes() == self.ckpt.expected[key]
                 self.held.append(h)
         self.pending = still
@@ -430,7 +430,7 @@ class StoreMachine(RuleBasedStateMachine):
         # between the held leases and those plus the pending acquires of its key.
         by_key: dict[ExpertKey, list[Lease]] = {}
         for h in self.held:
-            for key, lease, view in zip(h.keys, h.leases, h.views):
+            for key, lease, view in zip(h.keys, h.leases, h.views, strict=True):
                 by_key.setdefault(key, []).append(lease)
                 assert view.data.tobytes() == self.ckpt.expected[key], f"held view of {key} changed"
         for key, leases in by_key.items():

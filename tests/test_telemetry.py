@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from iosched import backends
-from iosched.backends.faults import FaultPlan, FaultyBackend
-from iosched import ExpertStore, _settings
+from iosched import ExpertStore, _settings, backends
 from iosched._checkpoint import load_index
 from iosched._telemetry import COUNTERS, SECONDS, TIERS, start_exporter
-from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
+from iosched.backends.faults import FaultPlan, FaultyBackend
 from iosched.tools.cli import main
+from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:

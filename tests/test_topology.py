@@ -11,17 +11,32 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from iosched import StoreError
-from iosched._topology import (DeviceConfig, Discovery, Topology, TopologyError, drive_of, drives_of,
-                               dump_topology, is_topology_file, load_topology, loads_topology, mount_of,
-                               overlay_layers, probe_bandwidth, read_mountinfo, suggest_queue_depth)
+from iosched._topology import (
+    DeviceConfig,
+    Discovery,
+    Topology,
+    TopologyError,
+    drive_of,
+    drives_of,
+    dump_topology,
+    is_topology_file,
+    load_topology,
+    loads_topology,
+    mount_of,
+    overlay_layers,
+    probe_bandwidth,
+    read_mountinfo,
+    suggest_queue_depth,
+)
 from iosched.tools import topology as topology_cli
 
 if sys.version_info >= (3, 11):

@@ -15,15 +15,15 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from iosched.backends import Caps
-from iosched.backends import uring
-from iosched.backends.uring import BufferedUringBackend, UringBackend, probe
 from iosched import BackendUnavailable
+from iosched.backends import Caps, uring
+from iosched.backends.uring import BufferedUringBackend, UringBackend, probe
 from tests.conftest import random_file
 
 _REASON = probe()

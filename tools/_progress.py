@@ -4,7 +4,7 @@ hidden when stderr is not a terminal (CI logs, pipes)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Coroutine, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from iosched import _settings
 
@@ -26,7 +27,8 @@ def loop_factory() -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
     return "asyncio", asyncio.new_event_loop
 
 
-def run(main: Callable[[], Coroutine[Any, Any, T]], factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
+def run(main: Callable[[], Coroutine[Any, Any, T]],
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
     make = factory or loop_factory()[1]
     loop = make()
     try:

@@ -41,17 +41,17 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Sequence, cast
+from typing import Any, cast
 
 import numpy as np
 
-from iosched import backends
-from iosched.backends import Backend, Caps, ZeroCopyBackend
-from iosched import StoreError, _settings
+from iosched import StoreError, _settings, backends
 from iosched._errors import BackendUnavailable, ReadError
 from iosched._topology import drive_of
+from iosched.backends import Backend, Caps, ZeroCopyBackend
 
 from . import _runner
 from ._progress import run_progress
@@ -491,7 +491,7 @@ def run_once(spec: RunSpec) -> dict[str, Any]:
             info = backend.info()
         finally:
             backend.close()
-            for buf, m in zip(bufs, mms):
+            for buf, m in zip(bufs, mms, strict=True):
                 buf.release()
                 try:
                     m.close()
@@ -672,7 +672,7 @@ def plot_sweep(result: dict[str, Any], path: str) -> None:
 # command line
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``iosched bench`` on ``sub`` (``tools/cli.py``'s subparsers)."""
     p = sub.add_parser("bench", help="random-read throughput and latency per backend, block size, depth",
                        description=__doc__.splitlines()[0] if __doc__ else None)

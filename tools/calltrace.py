@@ -37,6 +37,7 @@ Errors are :class:`~iosched.tools.trace.TraceError` naming ``file:line``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -288,7 +289,7 @@ class _Reader:
                     for e in experts:
                         if e not in seen:
                             seen.add(e)
-                            for col, v in zip(cols, (g.layer, e, phase, batch, tok, turn)):
+                            for col, v in zip(cols, (g.layer, e, phase, batch, tok, turn), strict=True):
                                 col.append(v)
                 batch += 1
             if not prefill:
@@ -341,7 +342,7 @@ def _forwards(trace: RouteTrace) -> list[_Forward]:
     phase, token, layer, turn = (a.tolist() for a in (trace.req_phase, trace.req_token,
                                                       trace.req_layer, trace.req_turn))
     experts = trace.req_expert.tolist()
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         f = out[-1] if out else None
         if (f is None or f.phase != phase[lo] or f.turn != turn[lo] or f.token != token[lo]
                 or layer[lo] <= f.batches[-1][0]):
@@ -359,7 +360,7 @@ def _rows(trace: RouteTrace, f: _Forward) -> list[list[list[int]]]:
         return [[ex] for _, ex in f.batches]
     k = max(1, trace.k)
     rows = [_token_rows(trace.routing[b]) if b in trace.routing
-            else [ex[i:i + k] for i in range(0, len(ex), k)] for b, (_, ex) in zip(f.ids, f.batches)]
+            else [ex[i:i + k] for i in range(0, len(ex), k)] for b, (_, ex) in zip(f.ids, f.batches, strict=True)]
     if all(len(r) == 1 for r in rows):
         j = next((j for j, (_, ex) in enumerate(f.batches) if len(ex) > 1), None)
         if j is None:
@@ -390,7 +391,7 @@ def format_call_trace(trace: RouteTrace) -> str:
     :class:`~iosched.tools.trace.TraceError` rather than text that reads back otherwise.
     """
     fwds = _forwards(trace)
-    for a, b in zip(fwds, fwds[1:]):
+    for a, b in itertools.pairwise(fwds):
         if b.batches[0][0] > a.batches[-1][0]:
             raise trace_error(trace.source, None, f"a forward starting at layer "
                               f"{b.batches[0][0]} follows one ending at layer "
@@ -408,7 +409,7 @@ def format_call_trace(trace: RouteTrace) -> str:
                 f"dense_bytes={trace.dense_bytes.get(ly, 0)}" for ly in trace.layers]
     call = 0
     for f in fwds:
-        for (layer, _), rows in zip(f.batches, _rows(trace, f)):
+        for (layer, _), rows in zip(f.batches, _rows(trace, f), strict=True):
             out += [f"{call} {r} {layer} " + " ".join(f"{e}:nan" for e in row)
                     for r, row in enumerate(rows)]
             call += 1

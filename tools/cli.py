@@ -11,7 +11,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, NoReturn, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, cast
 
 from iosched import StoreError
 
@@ -65,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, replay, replica_bench, topology
-    from . import soak
+    from . import bench, replay, replica_bench, soak, topology
 
     bench.add_parser(sub)
     replay.add_parser(sub)

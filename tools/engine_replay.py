@@ -133,7 +133,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     if len(ck_layers) != len(trace.layers):
         raise StoreError(f"checkpoint {ckpt} has {len(ck_layers)} MoE layers, the trace "
                          f"{label} {len(trace.layers)}; delete the folder to rebuild it")
-    layer_map = dict(zip(trace.layers, ck_layers))
+    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
     expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
     td = trace.k * sum(by_layer.values())
     results: list[dict[str, Any]] = []

@@ -20,7 +20,6 @@ from iosched import ExpertStore
 from . import _runner
 from .synth import write_safetensors_moe
 
-
 LAYERS = 8
 """Layers of the benchmark's checkpoint: acquires walk them in order, as a token does, so a
 structure-aware policy sees one batch per layer (and its once-per-cycle work once in 8)."""

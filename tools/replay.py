@@ -143,11 +143,11 @@ class Requests:
                       for b, rows in trace.routing.items()}
         return cls(
             routing=starts,
-            keys=list(zip(layers, experts)),
-            ids=[ly * trace.n_expert + ex for ly, ex in zip(layers, experts)],
+            keys=list(zip(layers, experts, strict=True)),
+            ids=[ly * trace.n_expert + ex for ly, ex in zip(layers, experts, strict=True)],
             sizes=trace.req_bytes.tolist(),
             decode=(trace.req_phase == PHASE_DECODE).tolist(),
-            batch_end=[a != b for a, b in zip(batch, batch[1:] + [-1])],
+            batch_end=[a != b for a, b in zip(batch, batch[1:] + [-1], strict=True)],
             shape=shape_of(trace),
             key_bytes={(layer, e): nbytes for layer, nbytes in trace.expert_bytes.items()
                        for e in range(trace.n_expert)},
@@ -286,7 +286,7 @@ def transient_bytes_for(policy: Policy, reqs: Requests, budget: int) -> int:
         return 0
     k = run = 1
     prev: int | None = None
-    for (layer, _), dec in zip(reqs.keys, reqs.decode):
+    for (layer, _), dec in zip(reqs.keys, reqs.decode, strict=True):
         run = run + 1 if dec and layer == prev else 1
         prev = layer if dec else None
         k = max(k, run)
@@ -297,7 +297,7 @@ def _row(policy: str, cycles: float, budget: int, reqs: Requests, hit_flags: lis
          seconds: float) -> dict[str, Any]:
     """The driver's statistics of one run, from one hit flag per request."""
     hits = dec_req = dec_hits = hit_bytes = 0
-    for hit, size, dec in zip(hit_flags, reqs.sizes, reqs.decode):
+    for hit, size, dec in zip(hit_flags, reqs.sizes, reqs.decode, strict=True):
         if dec:
             dec_req += 1
             dec_hits += hit
@@ -378,7 +378,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = getattr(policy, "on_routing", None)
     routing = reqs.routing if on_routing is not None else {}
     try:
-        for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes)):
+        for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes, strict=True)):
             if i in routing and on_routing is not None:  # the engine knows its router's output first
                 on_routing(*routing[i])
             if key[0] == first_layer and (i == 0 or reqs.batch_end[i - 1]):
@@ -415,7 +415,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                         continue
                     planned += size
                     wanted.append((want, size))
-                for (want, size), e in zip(wanted, table.reserve_speculative_many(wanted)):
+                for (want, size), e in zip(wanted, table.reserve_speculative_many(wanted), strict=True):
                     if e is None:
                         continue
                     publish(e)
@@ -506,13 +506,13 @@ def simulate_libcachesim(reqs: Requests, algo: str, cycles: float, budget: int,
         req = lcs.Request()
         get = cache.get
         if nxt is not None and algo == "Belady":
-            for oid, size, nu in zip(reqs.ids, reqs.sizes, nxt):
+            for oid, size, nu in zip(reqs.ids, reqs.sizes, nxt, strict=True):
                 req.obj_id = oid
                 req.obj_size = size
                 req.next_access_vtime = _INT64_MAX if nu == NEVER else nu
                 flags.append(bool(get(req)))
         else:
-            for oid, size in zip(reqs.ids, reqs.sizes):
+            for oid, size in zip(reqs.ids, reqs.sizes, strict=True):
                 req.obj_id = oid
                 req.obj_size = size
                 flags.append(bool(get(req)))
@@ -520,7 +520,7 @@ def simulate_libcachesim(reqs: Requests, algo: str, cycles: float, budget: int,
     row["resident_bytes"] = int(cache.get_occupied_byte())
     row["resident_experts"] = int(cache.get_n_obj())
     row["moved_bytes"] = row["miss_bytes"] = sum(
-        size for size, hit in zip(reqs.sizes, flags) if not hit)
+        size for size, hit in zip(reqs.sizes, flags, strict=True) if not hit)
     return row
 
 
@@ -582,7 +582,7 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
 # the command
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``iosched replay`` on ``sub`` (``tools/cli.py``'s subparsers)."""
     p = sub.add_parser("replay", help="replay a routing trace through the residency policies "
                                       "(real reads; --simulate: no I/O)",

@@ -15,12 +15,12 @@ import argparse
 import shutil
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from iosched import backends
+from iosched import ExpertStore, StoreError, backends, override_settings
 from iosched.backends.throttle import ThrottledBackend
-from iosched import ExpertStore, StoreError, override_settings
 
 from . import _runner
 from .demo import cache_dir
@@ -100,7 +100,7 @@ async def run(layers: int, experts: int, slow_fraction: float, concurrency: int,
     }
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench-replicas", help="routing and striping over a fast and a throttled replica")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
@@ -123,7 +123,7 @@ def plot(out: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     xs = range(len(arms))
     ax.bar(xs, [a["mbps"] for a in arms], color="#4c78a8", alpha=0.8, label="median")
-    for x, arm in zip(xs, arms):
+    for x, arm in zip(xs, arms, strict=True):
         ax.scatter([x] * len(arm["mbps_reps"]), arm["mbps_reps"], color="black", s=12, zorder=3)
     ax.set_xticks(list(xs), [a["arm"] for a in arms], rotation=20, ha="right")
     ax.set_ylabel("MB/s (10^6 B/s)")

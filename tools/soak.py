@@ -34,17 +34,17 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from iosched import backends
-from iosched.backends.faults import FaultPlan, FaultyBackend
-from iosched import ExpertStore, StoreError
+from iosched import ExpertStore, StoreError, backends
 from iosched._checkpoint import load_index
 from iosched._layout import CheckpointIndex, ExpertKey
+from iosched.backends.faults import FaultPlan, FaultyBackend
 
 from . import _runner
 from .demo import cache_dir
@@ -249,7 +249,7 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
             else:
                 async with store.acquire_many(batch) as views:
                     c.latency.add(time.perf_counter() - t0)
-                    for key, view in zip(batch, views):
+                    for key, view in zip(batch, views, strict=True):
                         verify(key, view.data)
                     await asyncio.sleep(0)
 
@@ -347,7 +347,7 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     }
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = SoakConfig()
     p = sub.add_parser("soak", help="long concurrent run with faults on one replica; checks every byte")
     p.add_argument("--acquires", type=int, default=d.acquires, help=f"expert acquires to issue (default {d.acquires})")
@@ -402,7 +402,8 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
             ("faults injected", ", ".join(f"{k} {v}" for k, v in out["faults_injected"].items())),
             ("acquire latency p50 / p99", f"{out['latency_p50_ms']:.3f} / {out['latency_p99_ms']:.3f} ms"),
             ("budget / peak resident", f"{out['budget_bytes'] / mib:.1f} / {out['peak_resident_bytes'] / mib:.1f} MiB"),
-            ("RSS before open / peak", f"{out['rss_baseline_bytes'] / mib:.1f} / {out['rss_peak_bytes'] / mib:.1f} MiB"),
+            ("RSS before open / peak",
+             f"{out['rss_baseline_bytes'] / mib:.1f} / {out['rss_peak_bytes'] / mib:.1f} MiB"),
             ("seconds", f"{out['seconds']:.1f} ({out['acquires_per_s']:.0f} acquires/s)"),
         ]
         for row in rows:

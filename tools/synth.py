@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt

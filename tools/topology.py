@@ -22,19 +22,29 @@ JSON: ``{"paths": {PATH: drive}, "drives": {drive: {facts..., "probe": {...} | n
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import time
 from typing import Any
 
 from iosched import StoreError
-from iosched._topology import (DEFAULT_QUEUE_DEPTH, DeviceConfig, Discovery, Drive, Topology, dump_topology,
-                               load_topology, probe_drive, suggest_queue_depth)
+from iosched._topology import (
+    DEFAULT_QUEUE_DEPTH,
+    DeviceConfig,
+    Discovery,
+    Drive,
+    Topology,
+    dump_topology,
+    load_topology,
+    probe_drive,
+    suggest_queue_depth,
+)
 
 from . import _runner
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``iosched topology`` on ``sub`` (``tools/cli.py``'s subparsers)."""
     p = sub.add_parser("topology", help="the drives behind each path and their queue settings",
                        description="the drives behind each path, their queue settings, and a topology file")
@@ -72,7 +82,8 @@ def _files_of(path: str) -> list[tuple[str, int]]:
         raise StoreError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
-def topology_report(paths: list[str], *, discovery: str = "auto") -> tuple[dict[str, Any], dict[str, list[tuple[str, int]]]]:
+def topology_report(paths: list[str], *,
+                    discovery: str = "auto") -> tuple[dict[str, Any], dict[str, list[tuple[str, int]]]]:
     """The JSON object without probes, and each drive's files (file, size), for probing."""
     disc = Discovery(discovery)
     drives: dict[str, Drive] = {}
@@ -121,8 +132,8 @@ def _probe_all(out: dict[str, Any], on_drive: dict[str, list[tuple[str, int]]], 
             def advance(n: int, task: Any = task) -> None:
                 progress.advance(task, n)
 
-            result = _runner.run(lambda: probe_drive(target, args.qd, bs, max_bytes, args.probe_seconds,
-                                                      progress=advance))
+            result = _runner.run(functools.partial(probe_drive, target, args.qd, bs, max_bytes,
+                                                   args.probe_seconds, progress=advance))
             progress.update(task, completed=max_bytes)
             out["drives"][name]["probe"] = result
 

@@ -47,6 +47,7 @@ rules; it shares this module's header vocabulary and helpers (:func:`header_kv`,
 from __future__ import annotations
 
 import gzip
+import itertools
 import os
 import re
 from collections.abc import Iterator
@@ -235,7 +236,7 @@ class RouteTrace:
         phases = self.req_phase.tolist()
         tokens = self.req_token.tolist()
         layers = self.req_layer.tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             yield phases[lo], tokens[lo], layers[lo], self.req_expert[lo:hi]
 
 
@@ -294,13 +295,13 @@ def load_bundled_trace(name: str = "qwen") -> RouteTrace:
     return load_route_trace(bundled_trace_path(name))
 
 
-def read_only_i32(x: "npt.ArrayLike") -> I32:
+def read_only_i32(x: npt.ArrayLike) -> I32:
     out = np.ascontiguousarray(x, dtype=np.int32)
     out.setflags(write=False)
     return out
 
 
-def read_only_i8(x: "npt.ArrayLike") -> I8:
+def read_only_i8(x: npt.ArrayLike) -> I8:
     out = np.ascontiguousarray(x, dtype=np.int8)
     out.setflags(write=False)
     return out
@@ -452,7 +453,7 @@ class _Parser:
             return out
         b = batch[pre]
         bounds = np.concatenate(([0], np.flatnonzero(np.diff(b)) + 1, [b.size])).tolist()
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             rows = pre[lo:hi]
             steps, token = np.unique(step[rows], return_inverse=True)
             if steps.size < 2:
@@ -464,7 +465,7 @@ class _Parser:
         return out
 
     def _bad_field(self, lineno: int, fields: list[str]) -> TraceError:
-        for name, value in zip(_COLUMNS, fields):
+        for name, value in zip(_COLUMNS, fields, strict=False):
             if name == "weight":
                 continue
             try:
