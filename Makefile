@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test typecheck bench bench-deps clean
+.PHONY: demo test typecheck lint bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,7 @@ demo: $(STAMP)
 test: $(STAMP) bench-deps
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m mypy
+	$(BIN)/ruff check .
 
 # The benchmark's own set-up: fio from Debian is the reference every row is compared with.
 # Without root (or a registry) it says so, and the tests comparing with fio skip with that reason.
@@ -34,6 +35,9 @@ bench: $(STAMP) bench-deps
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

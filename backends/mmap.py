@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from iosched._errors import ReadError
+from iosched._errors import InvariantError, ReadError
 
 from ._base import Caps
 from ._util import run_to_completion
@@ -110,7 +110,8 @@ class MmapBackend:
 
     async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         """A copy out of the file (for experts made of several extents, which need one buffer)."""
-        assert self._pool is not None, "backend used before open()"
+        if self._pool is None:
+            raise InvariantError("backend used before open()")
         fut = asyncio.get_running_loop().run_in_executor(
             self._pool, self._probe.read, self._fds[file], file, offset, length, buf
         )
@@ -120,11 +121,13 @@ class MmapBackend:
         return (await self.read_tiered(file, offset, length, buf))[0]
 
     async def map_tiered(self, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
-        assert self._pool is not None, "backend used before open()"
+        if self._pool is None:
+            raise InvariantError("backend used before open()")
         fut = asyncio.get_running_loop().run_in_executor(self._pool, self._pretouch_counted, file, offset, length)
         cached = await run_to_completion(fut)
         mm = self._maps[file]
-        assert mm is not None
+        if mm is None:
+            raise InvariantError(f"file {file} is not mapped")
         return memoryview(mm)[offset:offset + length].toreadonly(), cached
 
     async def map(self, file: int, offset: int, length: int) -> memoryview:
@@ -157,7 +160,8 @@ class MmapBackend:
                                 f"{os.strerror(err)}")
             self.populate_read = False  # an older kernel: touch by hand from now on
         _madvise(address, span, mmap.MADV_WILLNEED)
-        assert mm is not None
+        if mm is None:
+            raise InvariantError(f"file {file} is not mapped")
         pages = np.frombuffer(mm, dtype=np.uint8, count=span, offset=start)[::PAGE]
         int(pages.sum())  # one byte a page: each fault is served before the lease starts
         self.pretouched_bytes += length

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from iosched._errors import ReadError
+from iosched._errors import InvariantError, ReadError
 
 from ._base import Caps
 from ._util import run_to_completion
@@ -128,7 +128,8 @@ class PreadBackend:
         return self._probe.read(self._fds[file], file, offset, length, buf)
 
     async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
-        assert self._pool is not None, "backend used before open()"
+        if self._pool is None:
+            raise InvariantError("backend used before open()")
         fut = asyncio.get_running_loop().run_in_executor(
             self._pool, self._read_sync, file, offset, length, buf
         )

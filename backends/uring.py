@@ -48,7 +48,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from iosched._errors import BackendUnavailable, ReadError
+from iosched._errors import BackendUnavailable, InvariantError, ReadError
 
 from ._base import Caps
 from ._direct import DirectFiles, DirectFilesOwner
@@ -236,7 +236,8 @@ class UringBackend(DirectFilesOwner):
         self._open_direct(paths)
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
-        assert self._fds, "backend used before open()"
+        if not self._fds:
+            raise InvariantError("backend used before open()")
         view = memoryview(buf)
         if view.readonly:
             raise TypeError("uring: cannot read into a read-only buffer")

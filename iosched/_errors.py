@@ -37,3 +37,18 @@ class BackendUnavailable(StoreError):
 
 class StoreClosed(StoreError):
     """The store was closed."""
+
+
+class InvariantError(AssertionError):
+    """An internal invariant does not hold: a bug in iosched or in a policy, never bad input.
+
+    Raised by the explicit checks (``ResidencyTable.check()``, a policy's ``check()``,
+    ``ExpertStore.check_invariants()``) instead of a bare ``assert``, so they still hold under
+    ``python -O``.  A subclass of ``AssertionError`` because that is what it reports."""
+
+
+def require(condition: object, message: str) -> None:
+    """Raise :class:`InvariantError` with ``message`` unless ``condition`` holds (a check that
+    ``python -O`` does not strip, unlike ``assert``)."""
+    if not condition:
+        raise InvariantError(message)

@@ -41,11 +41,6 @@ class _GgufTensor:
     data_offset: int
 
 
-def index_gguf(path: Path) -> list[RawExpertTensor]:
-    """Expert slices of the GGUF file ``path`` (see :func:`read_gguf`)."""
-    return read_gguf(path)[0]
-
-
 def read_gguf(path: Path) -> tuple[list[RawExpertTensor], int | None]:
     """Expert slices, and k (experts routed per token: ``{arch}.expert_used_count``, or
     ``None`` when the file does not say), of of the merged ``*_exps`` tensors of the GGUF file ``path``.

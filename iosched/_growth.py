@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-__all__ = ["BudgetGrowth", "GrowthDecision", "psi_memory_some_us"]
+__all__ = ["BudgetGrowth", "GrowthDecision", "GrowthStats", "GrowthStep", "psi_memory_some_us"]
 
 _PSI_MEMORY = "/proc/pressure/memory"
 
@@ -77,6 +77,26 @@ class GrowthDecision:
     """Memory-stall seconds of the epoch (PSI "some"); ``None`` where PSI is unreadable."""
     ceiling_cycles: int
     """The most whole cycles the budget may reach at this decision."""
+
+
+@dataclass(frozen=True)
+class GrowthStep:
+    """One growth of the budget: what triggered it, and the budget after it."""
+
+    reason: str
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class GrowthStats:
+    """``stats()["budget_growth"]``: the decisions so far, the growths, the ghost list."""
+
+    decisions: int
+    grown_cycles: int
+    ghost_hits: int
+    ghost_bytes: int
+    grown_to: tuple[GrowthStep, ...]
+    last: GrowthDecision | None
 
 
 class BudgetGrowth:
@@ -168,18 +188,7 @@ class BudgetGrowth:
         self._epoch_start = self._evicted
         return decision
 
-    def stats(self) -> dict[str, object]:
-        last = self.last
-        return {
-            "decisions": self.decisions,
-            "grown_cycles": self.grown_cycles,
-            "ghost_hits": self.ghost_hits,
-            "ghost_bytes": self.ghost_bytes,
-            "grown_to": [{"reason": r, "budget_bytes": b} for r, b in self.trajectory],
-            "last": None if last is None else {
-                "reason": last.reason, "budget_before": last.budget_before,
-                "budget_after": last.budget_after, "added_cycles": last.added_cycles,
-                "benefit_s": list(last.benefit_s), "cost_s": last.cost_s,
-                "ceiling_cycles": last.ceiling_cycles,
-            },
-        }
+    def snapshot(self) -> GrowthStats:
+        """``stats()["budget_growth"]``, frozen."""
+        return GrowthStats(self.decisions, self.grown_cycles, self.ghost_hits, self.ghost_bytes,
+                           tuple(GrowthStep(r, b) for r, b in self.trajectory), self.last)

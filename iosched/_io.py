@@ -19,16 +19,15 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import TypeVar, cast
 
 from iosched import backends
 
-from ._errors import ReadError, StoreError
+from ._errors import InvariantError, ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
 from ._scheduler import HINT, DeviceQueue, Ticket
-from ._stats import DeviceStats
+from ._stats import DeviceCounters, ReplicaCounters
 from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
 
 T = TypeVar("T")
@@ -40,15 +39,6 @@ def _fadvise_willneed(path: str, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
-
-
-@dataclass
-class ReplicaStats:
-    reads: int = 0
-    bytes: int = 0
-    errors: int = 0
-    pending: int = 0
-    """Reads queued for or in flight on this replica: what ``least_pending`` balances."""
 
 
 class ReadPath:
@@ -71,9 +61,9 @@ class ReadPath:
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
         )
-        self.devices: dict[str, DeviceStats] = {}
+        self.devices: dict[str, DeviceCounters] = {}
         self.queues: dict[str, DeviceQueue] = {}
-        self.per_replica: dict[str, ReplicaStats] = {root: ReplicaStats() for root in roots}
+        self.per_replica: dict[str, ReplicaCounters] = {root: ReplicaCounters() for root in roots}
         self._root_of: dict[int, str] = {}
         table: list[list[Replica]] = []
         discovery = Discovery()
@@ -82,7 +72,7 @@ class ReadPath:
             row = []
             for path in paths:
                 device = discovery.drive_of(path).name
-                self.devices.setdefault(device, DeviceStats())
+                self.devices.setdefault(device, DeviceCounters())
                 depth = (queue_depth if isinstance(queue_depth, int)
                          else queue_depth.get(device, DEFAULT_QUEUE_DEPTH))
                 self.queues.setdefault(device, DeviceQueue(depth))
@@ -181,7 +171,8 @@ class ReadPath:
         serves them; returns the view, the backend file to unmap later, and whether the page
         cache held every byte."""
         zero_copy = self.zero_copy
-        assert zero_copy is not None
+        if zero_copy is None:
+            raise InvariantError("map() on a backend that cannot map")
 
         async def attempt(replica: Replica) -> tuple[memoryview, int, bool]:
             async with self._slot(replica, ticket):
@@ -208,7 +199,8 @@ class ReadPath:
             self.router.succeeded(replica)
             self.failovers += tries > 0
             return result
-        assert last is not None
+        if last is None:
+            raise InvariantError("a read failed over without an error")
         raise last
 
     @contextlib.asynccontextmanager
@@ -270,16 +262,7 @@ class ReadPath:
         return {name: (queue.busy_seconds(), self.devices[name].bytes)
                 for name, queue in self.queues.items()}
 
-    def stats(self) -> dict[str, object]:
-        return {
-            "per_device": {name: asdict(d) for name, d in self.devices.items()},
-            "per_replica": {root: asdict(r) for root, r in self.per_replica.items()},
-            "retries": self.retries,
-            "failovers": self.failovers,
-            "degraded": self.router.degraded(),
-            "routing": self.router.policy,
-            "queue_waits": sum(q.waited for q in self.queues.values()),
-            "hints": self.hints,
-            "stripes": self.stripes,
-            "stripe_redos": self.stripe_redos,
-        }
+    @property
+    def queue_waits(self) -> int:
+        """Reads that waited for a slot in their drive's queue."""
+        return sum(q.waited for q in self.queues.values())

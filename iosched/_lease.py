@@ -1,48 +1,68 @@
 """Leases: what ``acquire`` and ``acquire_many`` return.
 
 A lease holds one reference on a resident entry of the store's residency table; while any
-lease is held the entry cannot be evicted nor its buffer reused.  The store's private
-methods do the work (``_layout_of``, ``_try_hit``, ``_enter_slow``, ``_release``); a lease
-only remembers which entry it holds, so releasing twice is harmless.
+lease is held the entry cannot be evicted nor its buffer reused.  A lease knows the store
+only through :class:`LeaseSource`, the five operations of the acquire path
+(``iosched/_acquire.py``), and remembers which entry it holds, so releasing twice is harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from iosched.residency._table import Entry
+from iosched.residency import Entry
 
 from ._errors import StoreError
-from ._layout import ExpertKey
+from ._layout import ExpertKey, ExpertLayout
 from ._view import ExpertView
 
-if TYPE_CHECKING:
-    from ._store import ExpertStore
+
+class LeaseSource(Protocol):
+    """What a lease asks of the store (implemented by ``iosched._acquire.Acquirer``)."""
+
+    def layout_of(self, key: ExpertKey) -> ExpertLayout:
+        """The key's layout; :class:`UnknownExpertError` naming it when there is none."""
+
+    def try_hit(self, layout: ExpertLayout) -> Entry | None:
+        """Lease a resident expert without awaiting; ``None`` when it is not resident."""
+
+    async def wait_for(self, layout: ExpertLayout) -> Entry:
+        """Lease the expert once it is loaded (joining or starting its load)."""
+
+    def release(self, entry: Entry) -> None:
+        """End one lease of ``entry``."""
+
+    def batch_done(self) -> None:
+        """An ``acquire_many`` holds all its leases: the engine computes on that layer now."""
+
+
+def _view_of(entry: Entry) -> ExpertView:
+    view: ExpertView = entry.payload.view
+    return view
 
 
 class Lease:
     """``async with store.acquire(key) as view``: holds the expert resident until exit."""
 
-    __slots__ = ("_store", "_key", "_entry")
+    __slots__ = ("_source", "_key", "_entry")
 
-    def __init__(self, store: ExpertStore, key: ExpertKey) -> None:
-        self._store = store
+    def __init__(self, source: LeaseSource, key: ExpertKey) -> None:
+        self._source = source
         self._key = key
         self._entry: Entry | None = None
 
     async def __aenter__(self) -> ExpertView:
         if self._entry is not None:
             raise StoreError(f"lease of {self._key!r} entered twice")
-        store = self._store
-        layout = store._layout_of(self._key)
-        entry = store._try_hit(layout)
+        source = self._source
+        layout = source.layout_of(self._key)
+        entry = source.try_hit(layout)
         if entry is None:
-            entry = await store._enter_slow(layout)
+            entry = await source.wait_for(layout)
         self._entry = entry
-        view: ExpertView = entry.payload.view
-        return view
+        return _view_of(entry)
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.release()
@@ -51,7 +71,7 @@ class Lease:
         """End the lease (what ``__aexit__`` does); a no-op when not held."""
         entry, self._entry = self._entry, None
         if entry is not None:
-            self._store._release(entry)
+            self._source.release(entry)
 
 
 class LeaseGroup:
@@ -62,21 +82,22 @@ class LeaseGroup:
     the error propagates, so a group never leaks a lease.
     """
 
-    __slots__ = ("_store", "_keys", "_leases")
+    __slots__ = ("_source", "_keys", "_leases")
 
-    def __init__(self, store: ExpertStore, keys: Iterable[ExpertKey]) -> None:
-        self._store = store
+    def __init__(self, source: LeaseSource, keys: Iterable[ExpertKey]) -> None:
+        self._source = source
         self._keys = list(keys)
         self._leases: list[Lease] = []
 
     async def __aenter__(self) -> list[ExpertView]:
-        store = self._store
-        layouts = [store._layout_of(key) for key in self._keys]
-        leases = [Lease(store, key) for key in self._keys]
+        source = self._source
+        layouts = [source.layout_of(key) for key in self._keys]
+        leases = [Lease(source, key) for key in self._keys]
         views: list[ExpertView | None] = [None] * len(leases)
         pending: dict[asyncio.Task[ExpertView], int] = {}
+        try_hit = source.try_hit
         for i, (lease, layout) in enumerate(zip(leases, layouts, strict=True)):
-            entry = store._try_hit(layout)
+            entry = try_hit(layout)
             if entry is not None:
                 lease._entry = entry
                 views[i] = entry.payload.view
@@ -85,9 +106,10 @@ class LeaseGroup:
         try:
             if pending:
                 await _settle(list(pending))
-                failed = [t.exception() for t in pending if t.exception() is not None]
-                if failed:
-                    raise failed[0]  # type: ignore[misc]
+                for task in pending:
+                    error = task.exception()
+                    if error is not None:
+                        raise error
                 for task, i in pending.items():
                     views[i] = task.result()
         except BaseException:
@@ -95,7 +117,7 @@ class LeaseGroup:
                 lease.release()
             raise
         self._leases = leases
-        store._batch_done()
+        source.batch_done()
         return [v for v in views if v is not None]
 
     async def __aexit__(self, *exc_info: object) -> None:

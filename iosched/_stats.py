@@ -1,27 +1,157 @@
-"""The store's statistics: live per-device counters and the frozen snapshot ``stats()`` reports."""
+"""The store's statistics: live counters, and the deeply frozen snapshot ``statistics()`` returns.
+
+Two kinds of object live here:
+
+* **live counters** (:class:`DeviceCounters`, :class:`ReplicaCounters`,
+  :class:`RequestCounts`): plain mutable records the read path and the acquire path bump on
+  their hot paths (an attribute increment, nothing else);
+* **snapshots** (:class:`StoreStats` and the records it holds): frozen dataclasses whose
+  mappings are read-only (``types.MappingProxyType``) and whose sequences are tuples, all the
+  way down, so a snapshot handed to an engine cannot be changed by it nor change under it.
+
+``ExpertStore.stats()``, the contract's dict, is :func:`as_dict` of a snapshot: the same keys
+and values as ever (plain dicts and lists), derived from the one typed record.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import dataclasses
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from ._growth import GrowthStats
+
+JSONValue: TypeAlias = "None | bool | int | float | str | tuple[JSONValue, ...] | Mapping[str, JSONValue]"
+"""What a frozen backend fact may be: JSON's values, with tuples and read-only mappings."""
+
+
+def freeze(value: Any) -> JSONValue:
+    """``value`` (JSON-like: dicts, lists, tuples, scalars) with every dict made a read-only
+    mapping and every list a tuple, recursively."""
+    if isinstance(value, Mapping):
+        return types.MappingProxyType({str(k): freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"not a JSON value: {value!r}")
+
+
+def thaw(value: Any) -> Any:
+    """The plain form of a frozen value: dataclasses and mappings as dicts, tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: thaw(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thaw(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------- live counters
 
 
 @dataclass
-class DeviceStats:
+class DeviceCounters:
+    """One drive's counters, bumped by the read path."""
+
     reads: int = 0
     bytes: int = 0
     errors: int = 0
     in_flight: int = 0
 
+    def snapshot(self) -> DeviceStats:
+        return DeviceStats(self.reads, self.bytes, self.errors, self.in_flight)
+
+
+@dataclass
+class ReplicaCounters:
+    """One replica root's counters, bumped by the read path."""
+
+    reads: int = 0
+    bytes: int = 0
+    errors: int = 0
+    pending: int = 0
+    """Reads queued for or in flight on this replica: what ``least_pending`` balances."""
+
+    def snapshot(self) -> ReplicaStats:
+        return ReplicaStats(self.reads, self.bytes, self.errors, self.pending)
+
+
+@dataclass
+class RequestCounts:
+    """How acquires were classified, bumped by the acquire path: ``requests == hits + misses +
+    joins``.  Shared by reference with the prefetcher, which tells from ``requests`` whether
+    another batch began since a batch ended."""
+
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    joins: int = 0
+
+    def snapshot(self) -> RequestTally:
+        return RequestTally(self.requests, self.hits, self.misses, self.joins)
+
+
+@dataclass(frozen=True)
+class RequestTally:
+    """``ExpertStore.request_tally``: the acquire counters alone, cheap to read per batch
+    (``stats()`` builds the whole snapshot)."""
+
+    requests: int
+    hits: int
+    misses: int
+    single_flight_joins: int
+
+
+# ---------------------------------------------------------------------------- snapshots
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """``stats()["per_device"][drive]``: the contract's per-drive counters."""
+
+    reads: int
+    bytes: int
+    errors: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """``stats()["per_replica"][root]``: the same counted per replica root."""
+
+    reads: int
+    bytes: int
+    errors: int
+    pending: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """``stats()["hits_by_tier"]``: where the bytes of each served acquire came from."""
+
+    resident: int
+    """``hits``."""
+    page_cache: int
+    """Demand loads the page cache served wholly."""
+    drive: int
+    """The other demand loads that finished (``physical_misses``)."""
+
 
 @dataclass(frozen=True)
 class StoreStats:
-    """A snapshot of the store's counters (``ExpertStore.stats()`` returns it as a dict).
+    """A snapshot of the store's counters; ``ExpertStore.stats()`` is :func:`as_dict` of it.
 
     ``requests == hits + misses + single_flight_joins``: each acquire of a known key is
     classified once, by what it found when it asked (resident, nothing, or a load in flight).
+    ``prefetch_issued == prefetch_used + prefetch_wasted + prefetch_failed + prefetch_unused``
+    until ``close()``.  ``docs/telemetry.md`` says how each field is measured.
     """
 
+    # -- the contract's keys
     requests: int
     hits: int
     misses: int
@@ -38,9 +168,15 @@ class StoreStats:
     """Wall time during which at least one acquire was waiting (union of the waits)."""
     service_s: float
     """Read service time summed over loads (loads overlap, so this can exceed wall time)."""
-    per_device: dict[str, dict[str, int]]
+    per_device: Mapping[str, DeviceStats]
+    # -- residency and loads
     resident_experts: int
     load_errors: int
+    hits_by_tier: TierStats
+    physical_misses: int
+    idle_slab_bytes: int
+    tokens: int
+    # -- prefetch
     prefetch_issued: int
     prefetch_dropped: int
     prefetch_used: int
@@ -48,21 +184,58 @@ class StoreStats:
     prefetch_wasted: int
     """Prefetched entries that left the table (evicted, or dropped unadmitted) unleased."""
     prefetch_failed: int
-    """Prefetch loads that failed.  ``prefetch_issued == used + wasted + failed + unused``
-    until ``close()``."""
+    """Prefetch loads that failed."""
     prefetch_unused: int
     """Prefetched entries (loading or resident) not leased yet: a gauge."""
-    hits_by_tier: dict[str, int]
-    """``resident``: ``hits``; ``page_cache``: demand loads the page cache served wholly;
-    ``drive``: the other demand loads that finished (``physical_misses``)."""
-    physical_misses: int
+    prefetch_refused: int
+    """Prefetches the per-token byte budget refused."""
+    prefetch_refused_bytes: int
+    prefetch_promoted: int
+    """Prefetch loads a demand acquire joined (their reads then jump the queue)."""
+    prefetch_guard_refusals: int
+    """Speculative reservations the policy's eviction guard refused (or that never fit)."""
+    prefetch_paced_bytes: int | None
+    """Bytes the idle-time pacer granted (``None`` without pacing)."""
+    prefetch_paced_refusals: int | None
+    policy_prefetch_batches: int
+    """Batches after which the policy proposed prefetches."""
+    token_budget_bytes: int | None
     migration_bytes: int
     """The part of ``bytes_read`` read by loads a prefetch started: moved ahead of demand."""
-    tokens: int
-    idle_slab_bytes: int
+    # -- hints
+    hints: int
+    hints_skipped: int
+    # -- the read path
+    per_replica: Mapping[str, ReplicaStats]
+    retries: int
+    failovers: int
+    degraded: tuple[str, ...]
+    """Replica paths the router holds unhealthy now."""
+    routing: str
+    queue_waits: int
+    stripes: int
+    stripe_redos: int
+    # -- what runs
     backend: str
     backend_reason: str | None
-    backend_info: dict[str, Any]
+    backend_info: Mapping[str, JSONValue]
     policy: str
+    policy_fallback: str | None
     loop: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    routing_rows: int
+    """Token rows of router output observed (``observe_routing``)."""
+    # -- the policy's usage history and budget sizing
+    history: str | None
+    history_loaded: bool
+    pinned_experts: int
+    budget_growth: GrowthStats | None
+    experts_per_token: int | None
+    td_bytes: int | None
+    budget_cycles: float | None
+
+
+def as_dict(stats: StoreStats) -> dict[str, Any]:
+    """``stats()``: every field by name, nested records and mappings as plain dicts, tuples as
+    lists (the contract's dict, with the keys and values it always had)."""
+    out: dict[str, Any] = thaw(stats)
+    return out

@@ -21,11 +21,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, Any, Protocol
 
-if TYPE_CHECKING:
-    from ._store import ExpertStore
+
+class MetricsSource(Protocol):
+    """What the exporter needs of a store (``ExpertStore`` is one)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def on_close(self, callback: Callable[[], None]) -> None: ...
 
 COUNTERS = (
     "requests", "hits", "misses", "single_flight_joins", "bytes_read",
@@ -57,14 +62,13 @@ class TokenTelemetry:
         self._interval = 0
         self.lines = 0
 
-    def record(self, store: ExpertStore, end: str = "boundary") -> dict[str, Any] | None:
-        """Write the record of the interval ending now (``end``: ``"boundary"`` or ``"close"``);
-        returns it, or ``None`` once closed."""
+    def record(self, stats: Mapping[str, Any], end: str = "boundary") -> dict[str, Any] | None:
+        """Write the record of the interval ending now (``end``: ``"boundary"`` or ``"close"``)
+        from the store's ``stats()`` at its end; returns it, or ``None`` once closed."""
         if self._file is None:
             return None
         now = time.monotonic()
         dt = now - self._t_last
-        stats = store.stats()
         prev = self._prev
         rec: dict[str, Any] = {"token": self._interval, "end": end,
                                "t": round(now - self._t0, 6), "dt": round(dt, 6)}
@@ -87,7 +91,7 @@ class TokenTelemetry:
             row["bandwidth_bytes_per_s"] = row["bytes"] / dt if dt > 0 else 0.0
             devices[dev] = row
         rec["per_device"] = devices
-        self._prev = stats
+        self._prev = dict(stats)
         self._t_last = now
         self._interval += 1
         self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -140,7 +144,7 @@ class PrometheusExporter:
     """Serves ``iosched_*`` metrics of one store over HTTP; :meth:`close` stops the server.
     Create with :func:`start_exporter`."""
 
-    def __init__(self, store: ExpertStore, port: int = 0, addr: str = "127.0.0.1") -> None:
+    def __init__(self, store: MetricsSource, port: int = 0, addr: str = "127.0.0.1") -> None:
         # An optional dependency: the ignores keep mypy green where it is not installed.
         from prometheus_client import CollectorRegistry, start_http_server  # type: ignore[import-not-found, unused-ignore]
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # type: ignore[import-not-found, unused-ignore]
@@ -199,10 +203,10 @@ class PrometheusExporter:
         self.close()
 
 
-def start_exporter(store: ExpertStore, port: int = 0, addr: str = "127.0.0.1") -> PrometheusExporter:
+def start_exporter(store: MetricsSource, port: int = 0, addr: str = "127.0.0.1") -> PrometheusExporter:
     """Serve ``store``'s metrics at ``http://addr:port/metrics`` (``port=0``: a free port, see
     ``.port``) until the exporter's :meth:`~PrometheusExporter.close` or the store's ``close``.
     Needs ``prometheus-client`` (``ImportError`` without it)."""
     exporter = PrometheusExporter(store, port, addr)
-    store._closers.append(exporter.close)
+    store.on_close(exporter.close)
     return exporter

@@ -1,14 +1,55 @@
-"""Residency: which experts stay in RAM.
+"""Residency: which experts stay in RAM (``iosched.residency``).
 
 ``ResidencyTable`` is the lease-aware driver with the strict byte budget; policies (one a
-file) decide admission and eviction order.  ``make_policy(name)`` builds one by name.
+file) decide admission and eviction order, and declare their optional abilities
+(:class:`Capability`, bound once by :func:`bind` into :class:`Hooks`).  ``make_policy(name)``
+builds one by name.  This module's names are the package's interface: the core and the
+tools import them from here, never from its private modules.
 """
 
 from __future__ import annotations
 
-from ._policy import Key, Policy
+from ._history import load as load_history_file
+from ._history import save as save_history_file
+from ._policy import (
+    BatchAware,
+    BudgetAware,
+    Capability,
+    HistoryKeeper,
+    Hooks,
+    Key,
+    ModelShape,
+    Policy,
+    PrefetchGuard,
+    RoutingAware,
+    ShapeAware,
+    WaitCostAware,
+    bind,
+)
 from ._table import Entry, EntryState, ResidencyTable
 from .lru import LRUPolicy
 from .registry import POLICIES, make_policy
 
-__all__ = ["Entry", "EntryState", "Key", "LRUPolicy", "Policy", "ResidencyTable", "make_policy", "POLICIES"]
+__all__ = [
+    "POLICIES",
+    "BatchAware",
+    "BudgetAware",
+    "Capability",
+    "Entry",
+    "EntryState",
+    "HistoryKeeper",
+    "Hooks",
+    "Key",
+    "LRUPolicy",
+    "ModelShape",
+    "Policy",
+    "PrefetchGuard",
+    "ResidencyTable",
+    "RoutingAware",
+    "ShapeAware",
+    "WaitCostAware",
+    "bind",
+    "load_history_file",
+    "make_policy",
+    "save_history_file",
+]

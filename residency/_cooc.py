@@ -49,12 +49,9 @@ class CoActivation:
             np.zeros((n_layers, n_expert, n_expert), dtype=np.float32) if cells <= MAX_CELLS else None)
         self.picks = np.zeros((n_layers, n_expert))
 
-    def learn(self, pos: int, picks: Sequence[int], next_picks: Sequence[int]) -> None:
-        """One token routed ``picks`` at layer position ``pos`` and ``next_picks`` at the next."""
-        self.learn_many([(pos, picks, next_picks)])
-
     def learn_many(self, pairs: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
-        """:meth:`learn` for many (pos, picks, next_picks) at once (one scatter-add)."""
+        """Tokens that routed ``picks`` at layer position ``pos`` and ``next_picks`` at the
+        next, one ``(pos, picks, next_picks)`` each (one scatter-add for them all)."""
         if self.counts is None or not pairs:
             return
         pos, rows, cols = [], [], []

@@ -33,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from iosched._errors import require
+
 F64 = npt.NDArray[np.float64]
 
 _HALF_STEPS = 8
@@ -98,6 +100,6 @@ class ContextLift:
     def check(self) -> None:
         for table in (self.current, self.stale):
             seen = table[~np.isnan(table)]
-            assert np.all((seen >= 0) & (seen <= 1)), "a prediction outside [0, 1]"
-        assert np.all(self.observed >= 0) and np.all(self.expected >= 0), "negative calibration"
-        assert np.array_equal(self._known, ~np.isnan(self.current[:, 0])), "known layers out of step"
+            require(np.all((seen >= 0) & (seen <= 1)), "a prediction outside [0, 1]")
+        require(np.all(self.observed >= 0) and np.all(self.expected >= 0), "negative calibration")
+        require(np.array_equal(self._known, ~np.isnan(self.current[:, 0])), "known layers out of step")

@@ -2,54 +2,85 @@
 
 After libCacheSim and Caffeine's simulator: a policy sees requests and membership changes
 and answers two questions, *admit this?* and *who goes first?*.  The driver
-(:class:`iosched.residency.ResidencyTable`) owns bytes, leases, statistics and the budget, and skips
-victims it may not evict (leased, loading).  The store and the replay tool drive the very
-same policy objects through that table, so there is no second copy of any policy.
+(:class:`iosched.residency.ResidencyTable`) owns bytes, leases, statistics and the budget,
+and skips victims it may not evict (leased, pinned, loading).  The store and the replay tool
+drive the very same policy objects through that table, so there is no second copy of any
+policy.
 
 Keys are opaque hashables, ``(layer, expert)`` in practice.  Call order for one key:
 ``on_request`` for every request, then on a miss ``admit``; if admitted ``on_insert``, later
 ``on_remove`` exactly once (eviction, failed load, or close).
 
-``admit`` is asked with the keys the table would evict to make room for an admitted
-``key`` (``victims``, in the policy's own order, already filtered to evictable entries; empty
-when the bytes are free), so an admission filter can compare the candidate with what it
-would displace (W-TinyLFU, ``residency/wtinylfu.py``).  A rejected miss is served
-transiently (see :class:`iosched.residency.ResidencyTable`'s ``transient_bytes``).
+``admit`` is asked with the keys the table would evict to make room for an admitted ``key``
+(``victims``, in the policy's own order, already filtered to evictable entries; empty when
+the bytes are free), so an admission filter can compare the candidate with what it would
+displace (W-TinyLFU, ``residency/wtinylfu.py``).  A rejected miss is served transiently
+(see :class:`iosched.residency.ResidencyTable`'s ``transient_bytes``).
 
-Optional hooks, called by the table only when the policy has them (so they are not part of
-the structural protocol, and LRU/LFU/Belady need not define them):
+**Optional abilities are declared, not discovered** (Caffeine's "characteristics").  A
+policy lists what it can do in its ``capabilities`` class attribute, a :class:`Capability`
+flag set, and implements the small protocol that goes with each flag; it declares nothing
+it does not implement and implements no hook it does not declare.  :func:`bind` checks both
+directions once, when the table is built, and hands the drivers a :class:`Hooks` record of
+typed callables (``None`` for an ability the policy lacks): the hot path never asks a
+policy what it can do.  Policies subclass the protocols they implement, so mypy checks each
+hook's signature against the protocol's.
 
-* ``set_budget(budget_bytes: int) -> None``: called at table construction with the bytes
-  admitted entries may use (the budget less the transient slot), and again when the budget
-  grows (``ResidencyTable.grow``); a policy that sizes segments in bytes (W-TinyLFU's window
-  and protected region) takes it from here;
-* ``uses_admission: bool`` (class attribute): the policy may reject misses, so a driver
-  should give the table a transient slot (``tools/replay.py`` does);
-* ``set_shape(shape: ModelShape) -> None``: called by the driver (the store from its
-  checkpoint index, the replay from the trace's header) before the first request, for a
-  policy that exploits the model's structure (``residency/moe.py``);
-* ``admit_prefetch(key, nbytes, victims) -> bool``: asked instead of ``admit`` for a
-  speculative load (``ResidencyTable.reserve(..., speculative=True)``); refusing leaves the
-  table untouched (the eviction guard: a prefetch must not displace what is worth more);
-* ``end_batch() -> list[Key]``: the batch of requests just made (one layer of one token) is
-  complete; returns the keys the policy wants loaded ahead of demand, best first, which the
-  driver issues as speculative loads within its bytes-moved budget;
-* ``prepare() -> None``: called by the driver after ``end_batch`` and its speculative loads,
-  while the engine computes: precompute what the next batch's misses will ask (``moe``
-  ranks its victims for the coming layer here, so no miss waits for that sort);
-* ``on_wait(key, seconds) -> None``: the felt wait of a demand miss (time the engine spent
-  awaiting it), for a policy that weighs misses by their measured cost;
-* ``on_routing(layer, rows) -> None``: the router's output for a batch of tokens at ``layer``,
-  ``rows`` an ``int64 [tokens, k]`` array (-1 pads an empty slot), already validated: the
-  store forwards ``ExpertStore.observe_routing``, the replay a trace's prompt rows, before
-  the batch's requests.  ``moe`` learns which experts go together from it.
+=================  =========================  ==============================================
+flag               protocol                   hooks, and who calls them when
+=================  =========================  ==============================================
+``BUDGET``         :class:`BudgetAware`       ``set_budget(budget_bytes)``: the table, when
+                                              built and whenever the budget grows
+                                              (``ResidencyTable.grow``), with the bytes
+                                              admitted entries may use (the budget less the
+                                              transient slot); W-TinyLFU sizes its segments
+                                              from it
+``REJECTS``        (none: a promise)          ``admit`` may refuse a miss, so the driver
+                                              gives the table a transient slot
+``SHAPE``          :class:`ShapeAware`        ``set_shape(shape)``: the driver (the store
+                                              from its checkpoint index, the replay from the
+                                              trace's header), before the first request; a
+                                              policy that declares it cannot run without it
+``BATCHES``        :class:`BatchAware`        ``end_batch() -> keys``: the batch of requests
+                                              just made (one layer of one token) is
+                                              complete; returns the keys worth loading ahead
+                                              of demand, best first, which the driver issues
+                                              as speculative loads within its budgets.
+                                              ``prepare()``: after ``end_batch`` and its
+                                              loads, while the engine computes: precompute
+                                              what the next batch's misses will ask (``moe``
+                                              ranks its victims for the coming layer)
+``PREFETCH_GUARD`` :class:`PrefetchGuard`     ``admit_prefetch(key, nbytes, victims)``:
+                                              asked instead of ``admit`` for a speculative
+                                              load; refusing leaves the table untouched (a
+                                              prefetch must not displace what is worth more)
+``WAIT_COST``      :class:`WaitCostAware`     ``on_wait(key, seconds)``: the store, with the
+                                              felt wait of each demand miss (time the engine
+                                              spent awaiting it)
+``ROUTING``        :class:`RoutingAware`      ``on_routing(layer, rows)``: the router's
+                                              output of a batch of tokens, ``rows`` an
+                                              ``int64 [tokens, k]`` array (-1 pads a slot),
+                                              validated; the store forwards
+                                              ``ExpertStore.observe_routing``, the replay a
+                                              trace's prompt rows, before the batch's requests
+``HISTORY``        :class:`HistoryKeeper`     ``history() -> arrays`` (what the run learned,
+                                              saved at the store's ``close()``),
+                                              ``load_history(arrays, source)`` (seeding, at
+                                              ``open``; a ``StoreError`` naming ``source``
+                                              when it does not fit), ``pinned_experts`` (a
+                                              gauge in ``stats()``)
+=================  =========================  ==============================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+import enum
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 Key = Hashable
 
@@ -71,8 +102,25 @@ class ModelShape:
         return self.experts_per_token * sum(self.expert_bytes[layer] for layer in self.layers)
 
 
+class Capability(enum.Flag):
+    """The optional abilities a policy declares (the module docstring's table)."""
+
+    NONE = 0
+    BUDGET = enum.auto()
+    REJECTS = enum.auto()
+    SHAPE = enum.auto()
+    BATCHES = enum.auto()
+    PREFETCH_GUARD = enum.auto()
+    WAIT_COST = enum.auto()
+    ROUTING = enum.auto()
+    HISTORY = enum.auto()
+
+
 class Policy(Protocol):
+    """What every policy implements (libCacheSim-sized), and what it declares."""
+
     name: ClassVar[str]
+    capabilities: ClassVar[Capability]
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
         """A request for ``key``; ``hit`` when it was resident or loading at that moment."""
@@ -92,5 +140,135 @@ class Policy(Protocol):
         skips keys it may not evict, and does not change membership while iterating."""
 
     def check(self, keys: set[Key]) -> None:
-        """Raise ``AssertionError`` unless the policy's own state is consistent and tracks
-        exactly ``keys`` (the driver's resident set)."""
+        """Raise :class:`iosched.InvariantError` unless the policy's own state is consistent
+        and tracks exactly ``keys`` (the driver's resident set)."""
+
+
+@runtime_checkable
+class BudgetAware(Protocol):
+    """``Capability.BUDGET``."""
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """The bytes admitted entries may use together, now and after each growth."""
+
+
+@runtime_checkable
+class ShapeAware(Protocol):
+    """``Capability.SHAPE``."""
+
+    def set_shape(self, shape: ModelShape) -> None:
+        """The model's shape, before the first request (a second call must give the same)."""
+
+
+@runtime_checkable
+class BatchAware(Protocol):
+    """``Capability.BATCHES``."""
+
+    def end_batch(self) -> list[Key]:
+        """The batch just made is complete; the keys worth loading ahead, best first."""
+
+    def prepare(self) -> None:
+        """Precompute for the next batch, after ``end_batch``'s loads were issued."""
+
+
+@runtime_checkable
+class PrefetchGuard(Protocol):
+    """``Capability.PREFETCH_GUARD``."""
+
+    def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key]) -> bool:
+        """Whether a speculative load of ``key`` may displace ``victims``."""
+
+
+@runtime_checkable
+class WaitCostAware(Protocol):
+    """``Capability.WAIT_COST``."""
+
+    def on_wait(self, key: Key, seconds: float) -> None:
+        """The felt wait of a demand miss of ``key``."""
+
+
+@runtime_checkable
+class RoutingAware(Protocol):
+    """``Capability.ROUTING``."""
+
+    def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
+        """The router's ``[tokens, k]`` output at ``layer`` (validated, -1 pads)."""
+
+
+@runtime_checkable
+class HistoryKeeper(Protocol):
+    """``Capability.HISTORY``."""
+
+    def history(self) -> dict[str, npt.NDArray[np.generic]]:
+        """What the run learned, as arrays ``residency/_history.py`` saves."""
+
+    def load_history(self, arrays: Mapping[str, npt.NDArray[np.generic]], source: str) -> None:
+        """Seed from a saved history; a ``StoreError`` naming ``source`` when it does not fit."""
+
+    @property
+    def pinned_experts(self) -> int:
+        """Experts the seeded history pins resident (a gauge)."""
+
+
+_PROTOCOLS: tuple[tuple[Capability, type], ...] = (
+    (Capability.BUDGET, BudgetAware),
+    (Capability.SHAPE, ShapeAware),
+    (Capability.BATCHES, BatchAware),
+    (Capability.PREFETCH_GUARD, PrefetchGuard),
+    (Capability.WAIT_COST, WaitCostAware),
+    (Capability.ROUTING, RoutingAware),
+    (Capability.HISTORY, HistoryKeeper),
+)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """A policy bound to its drivers: one typed callable per declared ability, ``None`` for
+    the others (``admit_prefetch`` falls back to ``admit``).  Made once by :func:`bind`."""
+
+    policy: Policy
+    capabilities: Capability
+    set_budget: Callable[[int], None] | None = None
+    set_shape: Callable[[ModelShape], None] | None = None
+    end_batch: Callable[[], list[Key]] | None = None
+    prepare: Callable[[], None] | None = None
+    admit_prefetch: Callable[[Key, int, Sequence[Key]], bool] | None = None
+    on_wait: Callable[[Key, float], None] | None = None
+    on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = None
+    history: HistoryKeeper | None = None
+
+    @property
+    def rejects_misses(self) -> bool:
+        """``Capability.REJECTS``: the table wants a transient slot."""
+        return Capability.REJECTS in self.capabilities
+
+
+def bind(policy: Policy) -> Hooks:
+    """Check ``policy``'s declared capabilities against the hooks it implements, both ways,
+    and return its :class:`Hooks`; a ``TypeError`` naming the policy and the hook when a
+    declared ability is missing a hook or a hook is there undeclared (a bug in the policy:
+    it would otherwise be called, or not, by accident)."""
+    caps = policy.capabilities
+    if not isinstance(caps, Capability):
+        raise TypeError(f"policy {type(policy).__name__}: capabilities must be a Capability flag "
+                        f"set, got {caps!r}")
+    for flag, protocol in _PROTOCOLS:
+        declared, implemented = flag in caps, isinstance(policy, protocol)
+        if declared != implemented:
+            hooks = ", ".join(sorted(n for n in vars(protocol) if not n.startswith("_")))
+            raise TypeError(
+                f"policy {type(policy).__name__} {'declares' if declared else 'does not declare'} "
+                f"Capability.{flag.name} but {'lacks' if declared else 'implements'} "
+                f"its hooks ({hooks})")
+    return Hooks(
+        policy=policy,
+        capabilities=caps,
+        set_budget=policy.set_budget if isinstance(policy, BudgetAware) else None,
+        set_shape=policy.set_shape if isinstance(policy, ShapeAware) else None,
+        end_batch=policy.end_batch if isinstance(policy, BatchAware) else None,
+        prepare=policy.prepare if isinstance(policy, BatchAware) else None,
+        admit_prefetch=policy.admit_prefetch if isinstance(policy, PrefetchGuard) else None,
+        on_wait=policy.on_wait if isinstance(policy, WaitCostAware) else None,
+        on_routing=policy.on_routing if isinstance(policy, RoutingAware) else None,
+        history=policy if isinstance(policy, HistoryKeeper) else None,
+    )

@@ -13,7 +13,12 @@ Invariants (re-checked by :meth:`check`):
 * a transient entry (a demand miss the policy did not admit) is visible for single-flight
   while it loads and is dropped, never published, when its last lease ends;
 * ``admitted_bytes`` (the non-transient entries) never exceeds ``budget_bytes -
-  transient_bytes``, and ``transient_used`` is ``used_bytes - admitted_bytes``.
+  transient_bytes``, and ``transient_used`` is ``used_bytes - admitted_bytes``;
+* leases and pins are counted by the table's own operations (:meth:`ResidencyTable.lease`,
+  :meth:`~ResidencyTable.release`, :meth:`~ResidencyTable.pin`, :meth:`~ResidencyTable.unpin`),
+  never below zero, and only a resident entry is leased; an entry's payload (the driver's
+  record of its memory) is set by :meth:`~ResidencyTable.publish` and taken back by
+  :meth:`~ResidencyTable.take_payload`.  Drivers read an :class:`Entry`, they never write it.
 
 The transient slot (``transient_bytes``, default 0).  With a slot, admitted entries are
 limited to ``budget_bytes - transient_bytes`` (the main region), so at least
@@ -40,9 +45,9 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from iosched._errors import BudgetError
+from iosched._errors import BudgetError, InvariantError, require
 
-from ._policy import Key, Policy
+from ._policy import Hooks, Key, ModelShape, Policy, bind
 
 
 class EntryState(enum.Enum):
@@ -51,10 +56,12 @@ class EntryState(enum.Enum):
 
 
 class Entry:
-    """One expert in the table.  ``pins`` counts waiters about to take a lease (they keep
-    the entry from eviction between the load's completion and their wake-up)."""
+    """One expert in the table, owned by it: drivers read its fields, the table's operations
+    change them.  ``pins`` counts waiters about to take a lease (they keep the entry from
+    eviction between the load's completion and their wake-up); ``payload`` is the driver's
+    record of the entry's memory, set when it is published."""
 
-    __slots__ = ("key", "nbytes", "state", "leases", "pins", "transient", "payload", "future")
+    __slots__ = ("key", "nbytes", "state", "leases", "pins", "transient", "payload")
 
     def __init__(self, key: Key, nbytes: int, transient: bool) -> None:
         self.key = key
@@ -64,7 +71,6 @@ class Entry:
         self.pins = 0
         self.transient = transient
         self.payload: Any = None
-        self.future: Any = None
 
     @property
     def evictable(self) -> bool:
@@ -89,7 +95,10 @@ class ResidencyTable:
         policy: Policy,
         on_evict: Callable[[Entry], None] | None = None,
         transient_bytes: int = 0,
+        shape: ModelShape | None = None,
     ) -> None:
+        """``shape``: the model's shape, given to a policy that declares ``Capability.SHAPE``
+        before its budget (the store takes it from the checkpoint, the replay from the trace)."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise BudgetError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
         if (isinstance(transient_bytes, bool) or not isinstance(transient_bytes, int)
@@ -111,9 +120,13 @@ class ResidencyTable:
         self.evicted_bytes = 0
         self.refused_prefetches = 0
         """Speculative reservations the policy refused (the eviction guard) or that could never fit."""
-        set_budget = getattr(policy, "set_budget", None)
-        if callable(set_budget):
-            set_budget(self.main_bytes)
+        self.hooks: Hooks = bind(policy)
+        """The policy's declared abilities, checked once here; drivers call hooks through it."""
+        self._admit_prefetch = self.hooks.admit_prefetch or policy.admit
+        if self.hooks.set_shape is not None and shape is not None:
+            self.hooks.set_shape(shape)
+        if self.hooks.set_budget is not None:
+            self.hooks.set_budget(self.main_bytes)
 
     def grow(self, budget_bytes: int) -> None:
         """Raise the byte budget (``budget="auto"`` growing between turns); the transient slot
@@ -123,9 +136,8 @@ class ResidencyTable:
             raise BudgetError(f"grow: budget_bytes must be an integer >= {self.budget_bytes}, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self.main_bytes = budget_bytes - self.transient_bytes
-        set_budget = getattr(self.policy, "set_budget", None)
-        if callable(set_budget):
-            set_budget(self.main_bytes)
+        if self.hooks.set_budget is not None:
+            self.hooks.set_budget(self.main_bytes)
 
     def set_on_evict(self, on_evict: Callable[[Entry], None] | None) -> Callable[[Entry], None] | None:
         """Replace the eviction callback (a driver's statistics hook); returns the previous one."""
@@ -164,7 +176,7 @@ class ResidencyTable:
         if nbytes < 0:
             raise BudgetError(f"expert {key!r} has a negative size ({nbytes} bytes)")
         if key in self._entries:
-            raise AssertionError(f"reserve of {key!r}, which is already in the table")
+            raise InvariantError(f"reserve of {key!r}, which is already in the table")
         if speculative:
             return self.reserve_speculative_many([(key, nbytes)])[0]
         victims: list[Entry] | None = None
@@ -225,7 +237,7 @@ class ResidencyTable:
         total = sum(n for _, n in todo)
         pool = self._evictable(max(self.used_bytes + total - self.budget_bytes,
                                    self.admitted_bytes + total - self.main_bytes))
-        admit = getattr(self.policy, "admit_prefetch", None) or self.policy.admit
+        admit = self._admit_prefetch
         cursor = 0
         for key, nbytes in items:
             if key in self._entries:
@@ -278,14 +290,57 @@ class ResidencyTable:
         self.policy.on_insert(key, nbytes)
         return entry
 
-    def publish(self, entry: Entry) -> None:
-        """The entry's whole read succeeded: it may now be hit (and, unleased, evicted)."""
+    def publish(self, entry: Entry, payload: Any = None) -> None:
+        """The entry's whole read succeeded: it may now be hit (and, unleased, evicted);
+        ``payload`` is the driver's record of its memory (the store's slab and views)."""
+        if entry.state is not EntryState.LOADING:
+            raise InvariantError(f"publish of {entry!r}, which is not loading")
+        entry.payload = payload
         entry.state = EntryState.RESIDENT
+
+    def take_payload(self, entry: Entry) -> Any:
+        """The payload :meth:`publish` set (``None`` if none, or taken already), now detached
+        from ``entry``: the driver frees that memory once the entry left the table."""
+        payload, entry.payload = entry.payload, None
+        return payload
+
+    def lease_resident(self, key: Key) -> Entry | None:
+        """The hit path's one call: lease ``key``'s entry if it is resident (``None``, and
+        nothing changed, when it is absent or loading)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not EntryState.RESIDENT:
+            return None
+        entry.leases += 1
+        return entry
+
+    def lease(self, entry: Entry) -> None:
+        """One more lease on a resident ``entry``: it cannot be evicted until released."""
+        if entry.state is not EntryState.RESIDENT:
+            raise InvariantError(f"lease of {entry!r}, which is not resident")
+        entry.leases += 1
+
+    def release(self, entry: Entry) -> bool:
+        """End one lease; ``True`` when it was the last (the driver may then drop a transient
+        entry and wake waiters for room)."""
+        if entry.leases <= 0:
+            raise InvariantError(f"release of {entry!r}, which holds no lease")
+        entry.leases -= 1
+        return entry.leases == 0
+
+    def pin(self, entry: Entry) -> None:
+        """A waiter will lease ``entry`` once its load ends: until then it cannot be evicted."""
+        entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        """The waiter :meth:`pin` counted leased the entry or gave up."""
+        if entry.pins <= 0:
+            raise InvariantError(f"unpin of {entry!r}, which holds no pin")
+        entry.pins -= 1
 
     def remove(self, entry: Entry) -> None:
         """Drop an entry that failed to load, or a transient one whose last lease ended."""
         if self._entries.get(entry.key) is not entry:
-            raise AssertionError(f"remove of {entry!r}, which is not in the table")
+            raise InvariantError(f"remove of {entry!r}, which is not in the table")
         del self._entries[entry.key]
         self.used_bytes -= entry.nbytes
         if not entry.transient:
@@ -294,7 +349,7 @@ class ResidencyTable:
 
     def evict(self, entry: Entry) -> None:
         if not entry.evictable:
-            raise AssertionError(f"eviction of {entry!r}, which is not evictable")
+            raise InvariantError(f"eviction of {entry!r}, which is not evictable")
         self.remove(entry)
         self.evictions += 1
         self.evicted_bytes += entry.nbytes
@@ -313,16 +368,19 @@ class ResidencyTable:
         return chosen if sum(e.nbytes for e in chosen) >= need else None
 
     def check(self) -> None:
-        """Re-check every invariant in the module docstring; ``AssertionError`` if one fails."""
+        """Re-check every invariant in the module docstring; :class:`InvariantError` if one
+        fails (explicit checks: they hold under ``python -O`` too)."""
         total = sum(e.nbytes for e in self._entries.values())
-        assert total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}"
-        assert self.used_bytes <= self.budget_bytes, "byte budget exceeded"
+        require(total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}")
+        require(self.used_bytes <= self.budget_bytes,
+                f"byte budget exceeded: {self.used_bytes} used of {self.budget_bytes}")
         admitted = sum(e.nbytes for e in self._entries.values() if not e.transient)
-        assert admitted == self.admitted_bytes, \
-            f"admitted_bytes {self.admitted_bytes} != sum of admitted entries {admitted}"
-        assert self.admitted_bytes <= self.main_bytes, "admitted entries exceed the main region"
-        assert self.main_bytes + self.transient_bytes == self.budget_bytes
+        require(admitted == self.admitted_bytes,
+                f"admitted_bytes {self.admitted_bytes} != sum of admitted entries {admitted}")
+        require(self.admitted_bytes <= self.main_bytes, "admitted entries exceed the main region")
+        require(self.main_bytes + self.transient_bytes == self.budget_bytes,
+                "main region and transient slot do not add up to the budget")
         for e in self._entries.values():
-            assert e.leases >= 0 and e.pins >= 0, f"negative count in {e!r}"
-            assert e.state is EntryState.RESIDENT or e.leases == 0, f"lease on a loading entry {e!r}"
+            require(e.leases >= 0 and e.pins >= 0, f"negative count in {e!r}")
+            require(e.state is EntryState.RESIDENT or e.leases == 0, f"lease on a loading entry {e!r}")
         self.policy.check({k for k, e in self._entries.items() if not e.transient})

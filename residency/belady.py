@@ -44,7 +44,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from ._policy import Key
+from iosched._errors import require
+
+from ._policy import Capability, Key
 
 NEVER = sys.maxsize
 """Next use of a key that is not requested again."""
@@ -69,6 +71,9 @@ class BeladyPolicy:
     """
 
     name: ClassVar[str] = "belady"
+    capabilities: ClassVar[Capability] = Capability.NONE
+    """Not ``REJECTS`` even with bypass: a bypassed miss takes the victims an admitted one
+    would (its bytes are held while it is computed on), as in a table without a slot."""
 
     def __init__(self, keys: Sequence[Key], *, bypass_budget: int | None = None) -> None:
         self._keys: list[Key] = list(keys)
@@ -150,19 +155,19 @@ class BeladyPolicy:
 
     def check(self, keys: set[Key]) -> None:
         self._unpark()
-        assert self._resident == keys, "Belady's resident set does not track the driver's"
-        assert set(self._sizes) == keys and self._resident_bytes == sum(self._sizes.values()), \
-            "Belady's resident bytes do not add up"
-        assert 0 <= self._cursor <= len(self._keys), "Belady's cursor is out of the sequence"
+        require(self._resident == keys, "Belady's resident set does not track the driver's")
+        require(set(self._sizes) == keys and self._resident_bytes == sum(self._sizes.values()),
+                "Belady's resident bytes do not add up")
+        require(0 <= self._cursor <= len(self._keys), "Belady's cursor is out of the sequence")
         live: dict[Key, int] = {}
         for neg, _, key in self._heap:
             if self._live(key, -neg):
                 live[key] = live.get(key, 0) + 1
-        assert set(live) == keys, "a resident key has no live heap entry"
-        assert all(n == 1 for n in live.values()), "a resident key has two live heap entries"
+        require(set(live) == keys, "a resident key has no live heap entry")
+        require(all(n == 1 for n in live.values()), "a resident key has two live heap entries")
         # A key's next use is updated at each of its requests, so it is never one already seen.
-        assert all(self._current.get(k, NEVER) >= self._cursor for k in keys), \
-            "a resident key's next use lies in the past"
+        require(all(self._current.get(k, NEVER) >= self._cursor for k in keys),
+                "a resident key's next use lies in the past")
 
     # -- internals -----------------------------------------------------------------------
 

@@ -31,11 +31,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from ._policy import Key
+from iosched._errors import require
+
+from ._policy import Capability, Key
 
 
 class LFUPolicy:
     name: ClassVar[str] = "lfu"
+    capabilities: ClassVar[Capability] = Capability.NONE
 
     def __init__(self, *, history: bool = True) -> None:
         self.history = history
@@ -77,20 +80,20 @@ class LFUPolicy:
             yield from self._buckets[f]
 
     def check(self, keys: set[Key]) -> None:
-        assert set(self._freq) == keys, "LFU frequencies do not track the resident set"
-        assert self._freqs == sorted(set(self._freqs)), "LFU frequency list is not sorted"
-        assert set(self._freqs) == set(self._buckets), "LFU frequency list != buckets"
+        require(set(self._freq) == keys, "LFU frequencies do not track the resident set")
+        require(self._freqs == sorted(set(self._freqs)), "LFU frequency list is not sorted")
+        require(set(self._freqs) == set(self._buckets), "LFU frequency list != buckets")
         seen = 0
         for f, bucket in self._buckets.items():
-            assert bucket, f"LFU bucket {f} is empty"
-            assert f >= 1, f"LFU bucket {f} below 1"
+            require(bucket, f"LFU bucket {f} is empty")
+            require(f >= 1, f"LFU bucket {f} below 1")
             for key in bucket:
-                assert self._freq.get(key) == f, f"LFU: {key!r} is in bucket {f}, not its own"
+                require(self._freq.get(key) == f, f"LFU: {key!r} is in bucket {f}, not its own")
                 if self.history:
-                    assert f == max(1, self._count.get(key, 0)), \
-                        f"LFU: {key!r} is in bucket {f} but was requested {self._count.get(key, 0)} times"
+                    require(f == max(1, self._count.get(key, 0)),
+                            f"LFU: {key!r} is in bucket {f} but was requested {self._count.get(key, 0)} times")
             seen += len(bucket)
-        assert seen == len(self._freq), "LFU: a key is in two buckets or none"
+        require(seen == len(self._freq), "LFU: a key is in two buckets or none")
 
     # -- internals -----------------------------------------------------------------------
 

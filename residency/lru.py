@@ -11,11 +11,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from ._policy import Key
+from iosched._errors import require
+
+from ._policy import Capability, Key
 
 
 class LRUPolicy:
     name: ClassVar[str] = "lru"
+    capabilities: ClassVar[Capability] = Capability.NONE
 
     def __init__(self) -> None:
         self._order: OrderedDict[Key, int] = OrderedDict()
@@ -38,4 +41,4 @@ class LRUPolicy:
         return iter(self._order)
 
     def check(self, keys: set[Key]) -> None:
-        assert set(self._order) == keys, "LRU order does not track the resident set"
+        require(set(self._order) == keys, "LRU order does not track the resident set")

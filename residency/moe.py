@@ -63,13 +63,24 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from iosched._errors import StoreError
+from iosched._errors import StoreError, require
 
 from . import _history
 from ._cooc import CoActivation
 from ._hazard import AGE_MAX, HazardTable, age_bin, count_bin
 from ._lift import ContextLift
-from ._policy import Key, ModelShape
+from ._policy import (
+    BatchAware,
+    BudgetAware,
+    Capability,
+    HistoryKeeper,
+    Key,
+    ModelShape,
+    PrefetchGuard,
+    RoutingAware,
+    ShapeAware,
+    WaitCostAware,
+)
 
 F64 = npt.NDArray[np.float64]
 
@@ -78,9 +89,12 @@ HORIZON_MEMORY = 100
 evictions, short enough to follow a budget that grows between turns."""
 
 
-class MoEPolicy:
+class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,
+                HistoryKeeper):
     name: ClassVar[str] = "moe"
-    uses_admission: ClassVar[bool] = False
+    capabilities: ClassVar[Capability] = (
+        Capability.BUDGET | Capability.SHAPE | Capability.BATCHES | Capability.PREFETCH_GUARD
+        | Capability.WAIT_COST | Capability.ROUTING | Capability.HISTORY)
 
     def __init__(self, shape: ModelShape | None = None, prefetch_width: int | None = None) -> None:
         """``prefetch_width``: experts proposed per batch at most; ``None`` is ``k``, one
@@ -442,16 +456,16 @@ class MoEPolicy:
         self._rebuild()
 
     def check(self, keys: set[Key]) -> None:
-        assert self._shape is not None or not keys, "unshaped moe policy holds keys"
+        require(self._shape is not None or not keys, "unshaped moe policy holds keys")
         if self._shape is None:
             return
         mine = {(self._layers[i // self._E], i % self._E) for i in np.flatnonzero(self._resident).tolist()}
-        assert mine == keys, "moe policy's resident mask does not track the table"
-        assert np.all(np.isnan(self._pending[~self._resident])), "pending density on a non-resident expert"
-        assert len(set(self._batch)) == len(self._batch), "a batch holds an expert twice"
-        assert int(self._in_batch.sum()) == len(self._batch), "batch mask out of step"
-        assert np.all(self._visits[:, None] >= self._last), "negative age"
-        assert np.all(self._hazard.used <= self._hazard.exposed + 0.01), "more uses than exposures"
+        require(mine == keys, "moe policy's resident mask does not track the table")
+        require(np.all(np.isnan(self._pending[~self._resident])), "pending density on a non-resident expert")
+        require(len(set(self._batch)) == len(self._batch), "a batch holds an expert twice")
+        require(int(self._in_batch.sum()) == len(self._batch), "batch mask out of step")
+        require(np.all(self._visits[:, None] >= self._last), "negative age")
+        require(np.all(self._hazard.used <= self._hazard.exposed + 0.01), "more uses than exposures")
         self._lift.check()
 
     # ------------------------------------------------------------------ internals

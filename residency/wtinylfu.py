@@ -59,7 +59,9 @@ from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import ClassVar
 
-from ._policy import Key
+from iosched._errors import require
+
+from ._policy import BudgetAware, Capability, Key
 from .sketch import CountMinSketch, next_power_of_two
 
 WINDOW, PROBATION, PROTECTED = 0, 1, 2
@@ -67,9 +69,9 @@ ADMIT_HASHDOS_THRESHOLD = 6
 """Caffeine's: a candidate this frequent may win a lost duel at random (``jitter``)."""
 
 
-class WTinyLFUPolicy:
+class WTinyLFUPolicy(BudgetAware):
     name: ClassVar[str] = "wtinylfu"
-    uses_admission: ClassVar[bool] = True
+    capabilities: ClassVar[Capability] = Capability.BUDGET | Capability.REJECTS
 
     def __init__(self, *, window_fraction: float = 0.01, protected_fraction: float = 0.8,
                  jitter: float = 1 / 128, seed: int = 0) -> None:
@@ -195,17 +197,17 @@ class WTinyLFUPolicy:
         return chain(self._segs[PROBATION], self._segs[PROTECTED], self._segs[WINDOW])
 
     def check(self, keys: set[Key]) -> None:
-        assert set(self._where) == keys, "W-TinyLFU segments do not track the resident set"
+        require(set(self._where) == keys, "W-TinyLFU segments do not track the resident set")
         total = 0
         for seg_id, seg in enumerate(self._segs):
-            assert all(self._where.get(k) == seg_id for k in seg), \
-                f"W-TinyLFU: a key in segment {seg_id} is recorded elsewhere"
-            assert self._bytes[seg_id] == sum(seg.values()), \
-                f"W-TinyLFU: segment {seg_id}'s bytes do not add up"
+            require(all(self._where.get(k) == seg_id for k in seg),
+                    f"W-TinyLFU: a key in segment {seg_id} is recorded elsewhere")
+            require(self._bytes[seg_id] == sum(seg.values()),
+                    f"W-TinyLFU: segment {seg_id}'s bytes do not add up")
             total += len(seg)
-        assert total == len(self._where), "W-TinyLFU: a key is in two segments or none"
-        assert self._bytes[WINDOW] <= self.window_cap, "W-TinyLFU window over its cap"
-        assert self._bytes[PROTECTED] <= self.protected_cap, "W-TinyLFU protected over its cap"
+        require(total == len(self._where), "W-TinyLFU: a key is in two segments or none")
+        require(self._bytes[WINDOW] <= self.window_cap, "W-TinyLFU window over its cap")
+        require(self._bytes[PROTECTED] <= self.protected_cap, "W-TinyLFU protected over its cap")
 
     # -- internals -----------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 
 from iosched import _settings, _sizing
 from iosched._errors import StoreClosed
-from iosched._growth import BudgetGrowth, psi_memory_some_us
+from iosched._growth import BudgetGrowth, GrowthStep, psi_memory_some_us
 from iosched._store import ExpertStore
 from iosched.tools.synth import write_safetensors_moe
 
@@ -72,8 +72,8 @@ def test_grows_by_the_prefix_that_pays_for_itself() -> None:
     assert d.added_cycles == 2 and d.budget_after == 400
     assert d.cost_s == pytest.approx(0.1)
     assert d.benefit_s == (0.05, 0.4)
-    assert g.stats()["grown_cycles"] == 2
-    assert g.stats()["grown_to"] == [{"reason": "end_turn", "budget_bytes": 400}]
+    assert g.snapshot().grown_cycles == 2
+    assert g.snapshot().grown_to == (GrowthStep("end_turn", 400),)
 
 
 def test_no_growth_when_the_cost_exceeds_the_benefit() -> None:

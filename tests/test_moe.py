@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from iosched import ExpertStore, StoreError
 from iosched._errors import BudgetError
-from iosched.residency import POLICIES, ResidencyTable, make_policy
+from iosched.residency import POLICIES, Capability, PrefetchGuard, ResidencyTable, make_policy
 from iosched.residency._cooc import CoActivation
 from iosched.residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
 from iosched.residency._policy import Key, ModelShape
@@ -109,8 +109,7 @@ def test_it_evicts_the_layer_just_served_not_the_next() -> None:
 
 def test_coactivation_learns_a_deterministic_pairing() -> None:
     co = CoActivation(n_layers=2, n_expert=4)
-    for _ in range(5):
-        co.learn(0, [1], [3])
+    co.learn_many([(0, [1], [3])] * 5)
     pop = np.full(4, 0.25)
     pi = co.predict(0, [1], 1, pop)
     assert pi is not None and int(np.argmax(pi)) == 3
@@ -403,7 +402,9 @@ def test_reserving_a_batch_of_prefetches_matches_one_at_a_time() -> None:
 
 
 def test_a_refused_prefetch_leaves_its_victims_to_the_next() -> None:
-    class Picky(LRUPolicy):
+    class Picky(LRUPolicy, PrefetchGuard):
+        capabilities = Capability.PREFETCH_GUARD
+
         def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
             return key != "no"
 

@@ -24,15 +24,20 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from iosched._errors import BudgetError, StoreError
+from iosched._errors import BudgetError, InvariantError, StoreError
 from iosched.residency import (
     POLICIES,
+    BudgetAware,
+    Capability,
     Entry,
     EntryState,
     Key,
     LRUPolicy,
+    ModelShape,
     Policy,
     ResidencyTable,
+    ShapeAware,
+    bind,
     make_policy,
 )
 
@@ -764,3 +769,101 @@ def test_each_package_imports_first_in_a_fresh_interpreter(statement: str) -> No
         [sys.executable, "-c", statement], cwd=root, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+# ----------------------------------------------------------------------------- invariants under -O
+
+
+_CORRUPT = """
+import sys
+from iosched import InvariantError
+from iosched.residency import LRUPolicy, ResidencyTable
+table = ResidencyTable(100, LRUPolicy())
+entry = table.reserve("a", 60)
+table.publish(entry)
+# above the budget, every sum consistent: the check must say so even under -O
+entry.nbytes = table.used_bytes = table.admitted_bytes = 160
+try:
+    table.check()
+except InvariantError as exc:
+    print("caught:", exc)
+    sys.exit(0)
+sys.exit("check() passed with used_bytes above the budget")
+"""
+
+
+def test_invariant_checks_hold_under_python_dash_o() -> None:
+    result = subprocess.run([sys.executable, "-O", "-c", _CORRUPT], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "byte budget exceeded" in result.stdout
+
+
+def test_a_policy_check_raises_invariant_error() -> None:
+    policy = LRUPolicy()
+    policy.on_insert("a", 1)
+    with pytest.raises(InvariantError, match="LRU order"):
+        policy.check(set())
+    assert issubclass(InvariantError, AssertionError)  # what callers catching AssertionError expect
+
+
+# ----------------------------------------------------------------------------- declared capabilities
+
+
+def test_lru_declares_nothing_and_binds_no_hook() -> None:
+    hooks = bind(LRUPolicy())
+    assert hooks.capabilities == Capability.NONE
+    assert (hooks.set_budget, hooks.set_shape, hooks.end_batch, hooks.prepare, hooks.admit_prefetch,
+            hooks.on_wait, hooks.on_routing, hooks.history) == (None,) * 8
+    assert not hooks.rejects_misses
+
+
+def test_every_registered_policy_binds_its_declared_capabilities() -> None:
+    for name in POLICIES:
+        policy = make_policy(name)
+        hooks = bind(policy)  # raises if declaration and hooks disagree
+        assert hooks.capabilities == policy.capabilities
+        assert (hooks.end_batch is not None) == (Capability.BATCHES in policy.capabilities)
+        assert (hooks.history is not None) == (Capability.HISTORY in policy.capabilities)
+
+
+def test_a_declared_capability_without_its_hooks_is_refused() -> None:
+    class Boasting(LRUPolicy):
+        capabilities = Capability.BATCHES  # but no end_batch / prepare
+
+    with pytest.raises(TypeError, match=r"Boasting declares Capability\.BATCHES but lacks its hooks"):
+        ResidencyTable(10, Boasting())
+
+
+def test_an_undeclared_hook_is_refused_rather_than_silently_ignored() -> None:
+    class Quiet(LRUPolicy):
+        def on_wait(self, key: Key, seconds: float) -> None:
+            pass
+
+    with pytest.raises(TypeError, match=r"Quiet does not declare Capability\.WAIT_COST but implements"):
+        ResidencyTable(10, Quiet())
+
+
+def test_capabilities_must_be_a_flag_set() -> None:
+    class Sloppy(LRUPolicy):
+        capabilities = "batches"  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="must be a Capability flag set"):
+        bind(Sloppy())  # type: ignore[arg-type]
+
+
+def test_the_table_gives_the_shape_before_the_budget() -> None:
+    calls: list[str] = []
+
+    class Shaped(LRUPolicy, ShapeAware, BudgetAware):
+        capabilities = Capability.SHAPE | Capability.BUDGET
+
+        def set_shape(self, shape: ModelShape) -> None:
+            calls.append("shape")
+
+        def set_budget(self, budget_bytes: int) -> None:
+            calls.append(f"budget {budget_bytes}")
+
+    shape = ModelShape(layers=(0,), n_expert=2, experts_per_token=1, expert_bytes={0: 1})
+    table = ResidencyTable(10, Shaped(), transient_bytes=2, shape=shape)
+    table.grow(20)
+    assert calls == ["shape", "budget 8", "budget 18"]

@@ -180,7 +180,7 @@ class StoreMachine(RuleBasedStateMachine):
         """A fault that can fail both replicas of a read: EIO on the primary too."""
         self.hanging = False
         """A drive stopped answering until the plan changes: loads may not finish by waiting."""
-        self.loading_seen: dict[int, Entry] = {}
+        self.loading_seen: dict[int, tuple[Entry, asyncio.Future[None]]] = {}
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Let the loads and hints in flight finish (reads run in pread's threads), then the
         waiters wake; with a hung drive, only briefly: its loads wait for the plan to change."""
         async def go() -> None:
-            loads = set(self.store._loads)
+            loads = set(self.store._loader.tasks)
             if loads:
                 await asyncio.wait(loads, timeout=0.02 if self.hanging else 5.0)
             for _ in range(5):
@@ -408,7 +408,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert s["loading"] == sum(1 for e in entries if e.state is EntryState.LOADING)
         assert s["resident_experts"] == sum(1 for e in entries if e.state is EntryState.RESIDENT)
         # every prefetch ends one way; an unused one is still in the table
-        unused = store._unused_prefetch
+        unused = store._ledger.unused
         assert s["prefetch_issued"] == (s["prefetch_used"] + s["prefetch_wasted"]
                                         + s["prefetch_failed"] + s["prefetch_unused"])
         assert s["prefetch_unused"] == len(unused)
@@ -423,7 +423,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert tiers["page_cache"] + tiers["drive"] + demand_failed + demand_loading <= s["misses"], s
         assert s["hints"] <= self.hints_queued and s["hints_skipped"] == 0
         # every slab handed out is held by one entry (pread: every entry has one)
-        assert store._pool.takes - store._pool.gives == len(entries)
+        assert store._loader.pool.takes - store._loader.pool.gives == len(entries)
 
         # held leases: right bytes, entry resident, leases counted exactly.  A pending group
         # may hold some of its leases already (its hits, its finished loads): an entry has
@@ -449,7 +449,7 @@ class StoreMachine(RuleBasedStateMachine):
             # only a pending acquire pins: a finished or cancelled one has unpinned
             assert e.pins <= waiting.get(key, 0), f"{e!r} has a leaked pin"
         assert len(by_key) <= s["leased"] <= len(set(by_key) | set(waiting))
-        assert sum(1 for f in store._room_waiters if not f.done()) <= sum(waiting.values())
+        assert sum(1 for f in store._room.waiters if not f.done()) <= sum(waiting.values())
 
         # published only after the whole read succeeded
         for e in entries:
@@ -459,16 +459,16 @@ class StoreMachine(RuleBasedStateMachine):
                 assert e.payload.view.data.tobytes() == self.ckpt.expected[published]
             else:
                 assert e.payload is None
-                self.loading_seen[id(e)] = e
+                if id(e) not in self.loading_seen:
+                    self.loading_seen[id(e)] = (e, store._loader.in_flight[cast(ExpertKey, e.key)].future)
         # a loading entry leaves the table only once published (then it may be evicted) or failed
-        for ident, e in list(self.loading_seen.items()):
+        for ident, (e, future) in list(self.loading_seen.items()):
             if table.get(e.key) is e:
                 if e.state is EntryState.RESIDENT:
                     del self.loading_seen[ident]
                 continue
             if e.state is EntryState.LOADING:
-                assert e.future.done() and e.future.exception() is not None, \
-                    f"{e!r} left the table while loading"
+                assert future.done() and future.exception() is not None, f"{e!r} left the table while loading"
             del self.loading_seen[ident]
 
         # faults that leave one replica serving are failed over
@@ -492,11 +492,11 @@ class StoreMachine(RuleBasedStateMachine):
             self.held.clear()
             for _ in range(100):
                 self.settle()
-                if not self.store._loads:
+                if not self.store._loader.tasks:
                     break
             store = self.store
             s = store.stats()
-            assert s["loading"] == 0 and not store._loads, s
+            assert s["loading"] == 0 and not store._loader.tasks, s
             assert s["leased"] == 0, s
             assert s["hints"] == self.hints_queued, s
             assert all(e.leases == 0 and e.pins == 0 for e in store._table.entries())
@@ -506,9 +506,9 @@ class StoreMachine(RuleBasedStateMachine):
             after = store.stats()
             assert after["resident_bytes"] == 0 and after["resident_experts"] == 0, after
             assert after["idle_slab_bytes"] == 0, after
-            assert store._pool.takes == store._pool.gives, "a slab was never given back"
-            assert not store._loads and not store._room_waiters and not store._tickets
-            assert not store._unused_prefetch
+            assert store._loader.pool.takes == store._loader.pool.gives, "a slab was never given back"
+            assert not store._loader.tasks and not store._room.waiters and not store._loader.in_flight
+            assert not store._ledger.unused
             # the telemetry lines add up to the totals before the closing evictions
             lines = [json.loads(line) for line in (self.folder / "telemetry.jsonl").read_text().splitlines()]
             assert len(lines) == self.tokens + 1 and lines[-1]["end"] == "close"

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iosched._errors import BudgetError
-from iosched.residency import POLICIES, Entry, Key, LRUPolicy, ResidencyTable, make_policy
+from iosched.residency import POLICIES, Capability, Entry, Key, LRUPolicy, ResidencyTable, make_policy
 from iosched.residency.sketch import MAX_COUNT, CountMinSketch, key_hash
 from iosched.residency.wtinylfu import WTinyLFUPolicy
 from iosched.tools.replay import Requests, budget_for, simulate
@@ -45,7 +45,8 @@ def load(table: ResidencyTable, key: Key, nbytes: int = UNIT) -> Entry:
     table.policy.on_request(key, nbytes, hit)
     entry = table.get(key) if hit else table.reserve(key, nbytes)
     assert entry is not None
-    table.publish(entry)
+    if not hit:
+        table.publish(entry)
     table.check()
     return entry
 
@@ -187,7 +188,7 @@ def test_set_budget_hook_gets_the_main_region() -> None:
 def test_registry_builds_wtinylfu() -> None:
     assert "wtinylfu" in POLICIES
     p = make_policy("wtinylfu")
-    assert isinstance(p, WTinyLFUPolicy) and p.uses_admission
+    assert isinstance(p, WTinyLFUPolicy) and Capability.REJECTS in p.capabilities
     assert make_policy("wtinylfu") is not p
 
 

@@ -146,9 +146,10 @@ class EngineRun:
 
 
 def _hit_counters(store: ExpertStore) -> tuple[int, int]:
-    """``(requests, hits + single-flight joins)`` so far: the store's own counters, read
-    directly because ``stats()`` builds a whole snapshot and this runs once per batch."""
-    return store._requests, store._hits + store._joins
+    """``(requests, hits + single-flight joins)`` so far: the store's request tally (cheap:
+    ``stats()`` builds a whole snapshot, and this runs once per batch)."""
+    tally = store.request_tally
+    return tally.requests, tally.hits + tally.single_flight_joins
 
 
 async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,

@@ -33,14 +33,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, StoreError
+from iosched import ExpertStore, InvariantError, StoreError
 from iosched._checkpoint import load_index
-from iosched.residency import ResidencyTable
-from iosched.residency._policy import Policy
-from iosched.residency.belady import BeladyPolicy
+from iosched.residency import Policy, bind
 
 from . import demo
-from .replay import OFFLINE, Requests, _row, budget_for, build_policy, drive, simulate, transient_bytes_for
+from .replay import OFFLINE, Requests, _row, budget_for, build_policy, build_table, drive, simulate
 from .trace import RouteTrace
 
 DEFAULT_COMPUTE_MS = 1.0
@@ -188,21 +186,24 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
                          "learn; --train does not apply to it")
     t0 = time.perf_counter()
     policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
-    assert not isinstance(policy, BeladyPolicy)
-    warm = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+    warm = build_table(policy, ev, budget)
     drive(warm, train)
     warm.evict_all()  # through the table: the policy hears of every removal
     warm.check()
     if len(warm):
-        raise AssertionError("entries left after evict_all in a simulation")
-    history = getattr(policy, "history", None)
-    if callable(history):
+        raise InvariantError("entries left after evict_all in a simulation")
+    if warm.hooks.history is not None:
         # A policy that keeps a usage history is seeded the way the store seeds it: a fresh
-        # policy loads what the trained one saved (decayed by half, with its pins).
-        learned = history()
+        # policy loads what the trained one saved (decayed by half, with its pins), shaped
+        # first, and bound to its table after.
+        learned = warm.hooks.history.history()
         policy = build_policy(policy_name, ev, budget, prefetch_width)
-        policy.load_history(learned, "--train")  # type: ignore[attr-defined]
-    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+        fresh = bind(policy)
+        if fresh.set_shape is not None:
+            fresh.set_shape(ev.shape)
+        if fresh.history is not None:
+            fresh.history.load_history(learned, "--train")
+    table = build_table(policy, ev, budget)
     run = drive(table, ev)
     row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
     row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,

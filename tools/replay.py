@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from iosched import StoreError, _settings
 from iosched._errors import BudgetError
-from iosched.residency import POLICIES, Entry, ResidencyTable, make_policy
+from iosched.residency import POLICIES, Capability, Entry, ResidencyTable, make_policy
 from iosched.residency._policy import Key, ModelShape, Policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
 from iosched.residency.lfu import LFUPolicy
@@ -266,23 +266,26 @@ def build_policy(name: str, reqs: Requests, budget: int, prefetch_width: int | N
         keys: list[Key] = list(reqs.keys)
         return BeladyPolicy(keys, bypass_budget=budget if OFFLINE[name] else None)
     if takes_prefetch_width(name):
-        policy: Policy = make_policy(name, prefetch_width=prefetch_width)
-    else:
-        policy = VARIANTS[name]() if name in VARIANTS else make_policy(name)
-    set_shape = getattr(policy, "set_shape", None)
-    if callable(set_shape):
-        set_shape(reqs.shape)
-    return policy
+        return make_policy(name, prefetch_width=prefetch_width)
+    return VARIANTS[name]() if name in VARIANTS else make_policy(name)
+
+
+def build_table(policy: Policy, reqs: Requests, budget: int) -> ResidencyTable:
+    """The table a run drives: the policy bound to it (its declared capabilities checked),
+    given the trace's shape when it declares ``Capability.SHAPE`` (as the store gives it its
+    checkpoint's), with the transient slot :func:`transient_bytes_for` sizes."""
+    return ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, reqs, budget),
+                          shape=reqs.shape)
 
 
 def transient_bytes_for(policy: Policy, reqs: Requests, budget: int) -> int:
     """The transient slot a policy's table gets: none for a policy that admits every miss
     (LRU, LFU, Belady: their numbers are those of a slot-less table), and for one that may
-    reject (``uses_admission``) one layer's batch of the largest experts, ``k x
+    reject (``Capability.REJECTS``) one layer's batch of the largest experts, ``k x
     max(expert bytes)``, with ``k`` the trace's experts per token and layer (the longest run
     of one layer's requests in decode, where each token asks each layer for its k experts),
     capped at half the budget so the main region keeps the other half."""
-    if not getattr(policy, "uses_admission", False) or not reqs.sizes:
+    if Capability.REJECTS not in policy.capabilities or not reqs.sizes:
         return 0
     k = run = 1
     prev: int | None = None
@@ -367,15 +370,14 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
             out.prefetch_wasted += 1
 
     previous = table.set_on_evict(on_evict)
-    policy = table.policy
-    end_batch: Callable[[], list[Key]] | None = getattr(policy, "end_batch", None)
-    prepare: Callable[[], None] | None = getattr(policy, "prepare", None)
+    policy, hooks = table.policy, table.hooks
+    end_batch, prepare = hooks.end_batch, hooks.prepare
     first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
     token_prefetch = 0
     flags = out.flags
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
     on_request = policy.on_request
-    on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = getattr(policy, "on_routing", None)
+    on_routing = hooks.on_routing
     routing = reqs.routing if on_routing is not None else {}
     try:
         for i, (key, nbytes) in enumerate(zip(reqs.keys, reqs.sizes, strict=True)):
@@ -440,7 +442,7 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
     row of the contract's ``results``, with the driver's statistics."""
     t0 = time.perf_counter()
     policy = build_policy(policy_name, reqs, budget, prefetch_width)
-    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, reqs, budget))
+    table = build_table(policy, reqs, budget)
     run = drive(table, reqs, token_budget_bytes=token_budget_bytes, check_every=check_every)
     if isinstance(policy, BeladyPolicy) and not policy.finished:
         raise AssertionError(f"Belady saw {policy.cursor} of {len(reqs)} requests")

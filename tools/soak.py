@@ -220,15 +220,14 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
 
     async with await ExpertStore.open(primary, budget_bytes=budget, backend=faulty, mirrors=[mirror],
                                       policy=config.policy, experts_per_token=config.group) as store:
-        table = store._table  # read directly: stats() builds a whole snapshot, this runs every iteration
-
         async def sampler() -> None:
+            # the cheap gauges, not stats(): this runs at every await of the soak
             while not done.is_set():
-                used = table.used_bytes
+                used = store.resident_bytes
                 c.samples += 1
                 if used > c.peak_resident:
                     c.peak_resident = used
-                if used > table.budget_bytes:
+                if used > store.budget_bytes:
                     c.excursions += 1
                 await asyncio.sleep(0)
 

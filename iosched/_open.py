@@ -1,0 +1,205 @@
+"""Opening a store: ``ExpertStore.open``'s arguments checked, then its parts built.
+
+:class:`OpenArgs` holds the arguments as given; :func:`assemble` turns them into
+:class:`StoreParts` in the order that fails cheapest first: every argument that can be
+checked without a file is checked before the checkpoint is read (a bad budget, an unknown
+backend, policy or routing never costs an index), the index before any file of it is opened,
+and the backend opened last.  Every refusal is a :class:`StoreError` subclass naming the
+argument or the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from iosched import backends
+from iosched.residency import make_policy
+
+from . import _settings, _sizing
+from ._checkpoint import load_index
+from ._errors import BudgetError, StoreError
+from ._growth import BudgetGrowth
+from ._io import ReadPath
+from ._layout import CheckpointIndex
+from ._mirrors import find_replicas
+from ._router import POLICIES as ROUTING_POLICIES
+from ._telemetry import TokenTelemetry
+from ._topology import Discovery, is_topology_file, load_topology
+
+log = logging.getLogger("iosched")
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class OpenArgs:
+    """``ExpertStore.open``'s arguments (its docstring says what each means)."""
+
+    source: PathLike
+    budget_bytes: int | str
+    backend: str | backends.Backend | None = "auto"
+    policy: str | None = "default"
+    mirrors: Sequence[PathLike] = ()
+    routing: str = "hash"
+    weights: Mapping[str, float] | None = None
+    queue_depth: int | None = None
+    token_budget_bytes: int | None = None
+    experts_per_token: int | None = None
+    telemetry: PathLike | None = None
+    history: PathLike | None = None
+
+
+@dataclass(frozen=True)
+class StoreParts:
+    """What a store is built from: the index, the sized budget, the opened read path."""
+
+    index: CheckpointIndex
+    budget_bytes: int
+    io: ReadPath
+    backend_reason: str | None
+    policy_name: str
+    token_budget_bytes: int | None
+    telemetry: TokenTelemetry | None
+    growth: BudgetGrowth | None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_arguments(args: OpenArgs) -> None:
+    """Everything that can be refused before a file is read."""
+    budget = args.budget_bytes
+    if budget != "auto" and not _positive_int(budget):
+        raise BudgetError(f'budget_bytes must be a positive integer or "auto", got {budget!r}')
+    total = _sizing.mem_total()
+    if isinstance(budget, int) and total is not None and budget > total:
+        # An absurd budget: the store could never hold it, and a typo (GiB for MiB) should
+        # not surface hours later as the OOM killer.
+        raise BudgetError(f"budget_bytes={budget} is more than this machine's memory "
+                          f"(MemTotal {total} bytes)")
+    if args.experts_per_token is not None and not _positive_int(args.experts_per_token):
+        raise BudgetError(f"experts_per_token must be a positive integer, got {args.experts_per_token!r}")
+    tb = args.token_budget_bytes
+    if tb is not None and (isinstance(tb, bool) or not isinstance(tb, int) or tb < 0):
+        raise BudgetError(f"token_budget_bytes must be a non-negative integer, got {tb!r}")
+    if isinstance(args.backend, str) and args.backend != "auto":
+        backends.resolve(args.backend)  # fail early, before the checkpoint is read
+    make_policy(args.policy or str(_settings.get("policy")))  # likewise
+
+
+def _drive_names(paths: Sequence[str]) -> dict[str, str]:
+    discovery = Discovery()
+    return {path: discovery.drive_of(path).name for path in paths}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the bytes are and how the drives are driven: from the arguments, or a topology file."""
+
+    source: PathLike
+    mirrors: Sequence[PathLike]
+    routing: str
+    weights: Mapping[str, float] | None
+    depths: int | Mapping[str, int]
+    stripe_threshold: int
+
+
+async def _drives(args: OpenArgs) -> _Layout:
+    """The replicas, routing, weights and queue depths: a topology file (``iosched topology
+    --write``) names the checkpoint, its mirrors, the routing and each drive's weight and queue
+    depth; explicit arguments win."""
+    layout = _Layout(args.source, args.mirrors, args.routing, args.weights, 0,
+                     int(_settings.get("stripe_threshold")))
+    depths: Mapping[str, int] | None = None
+    if is_topology_file(args.source):
+        if args.mirrors:
+            raise StoreError(f"{args.source}: give mirrors in the topology file or as an argument, not both")
+        topo = await asyncio.to_thread(load_topology, args.source)
+        drives = await asyncio.to_thread(_drive_names, topo.paths)
+        weights = args.weights
+        if weights is None:
+            weights = {root: topo.device(name).weight for root, name in drives.items()}
+        depths = {name: cfg.queue_depth for name, cfg in topo.devices.items()}
+        layout = _Layout(topo.primary, topo.mirrors, topo.routing_policy, weights, 0,
+                         topo.stripe_threshold_bytes)
+    if layout.routing not in ROUTING_POLICIES:
+        raise StoreError(f"unknown routing {layout.routing!r}; choose one of {', '.join(ROUTING_POLICIES)}")
+    depth = int(_settings.get("queue_depth")) if args.queue_depth is None else args.queue_depth
+    if not _positive_int(depth):
+        raise StoreError(f"queue_depth must be a positive integer, got {args.queue_depth!r}")
+    chosen: int | Mapping[str, int] = depths if depths is not None and args.queue_depth is None else depth
+    return dataclasses.replace(layout, depths=chosen)
+
+
+async def _sized_budget(args: OpenArgs, index: CheckpointIndex) -> int:
+    """The budget in bytes (``"auto"`` sized from the checkpoint and ``MemAvailable``), with
+    the warnings an integer budget deserves."""
+    k = index.experts_per_token
+    td = None if k is None else _sizing.token_cycle_bytes(index, k)
+    if isinstance(args.budget_bytes, int):
+        budget = args.budget_bytes
+    elif k is None:
+        raise BudgetError(
+            f'budget_bytes="auto" needs k, the experts routed per token, and {index.root} does '
+            "not say (no num_experts_per_tok in config.json, no expert_used_count in GGUF); "
+            "pass experts_per_token=K to ExpertStore.open")
+    else:
+        available = await asyncio.to_thread(_sizing.mem_available)
+        budget = _sizing.auto_budget(index, k, available, int(_settings.get("auto_start_cycles")))
+        log.info('budget_bytes="auto": %d bytes, %d token cycles of %d bytes (k=%d, MemAvailable %d)',
+                 budget, budget // (td or 1), td, k, available)
+    if td is not None and budget < td:
+        log.warning(
+            "budget_bytes=%d is below one token cycle (%d bytes = k=%d experts per token x "
+            "the largest expert of each layer): LRU hits nothing below one cycle, every "
+            "expert is evicted before the next token reuses it", budget, td, k)
+    largest = max(layout.nbytes for layout in index.experts.values())
+    if largest > budget:
+        log.warning("budget_bytes=%d is smaller than the largest expert (%d bytes): acquiring it "
+                    "will raise BudgetError", budget, largest)
+    return budget
+
+
+async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) -> tuple[ReadPath, str | None]:
+    """The backend (resolved, created and opened on every replica's files) behind its read
+    path, and why ``auto`` chose it."""
+    reason: str | None = None
+    name = ""
+    if args.backend is None or isinstance(args.backend, str):
+        name, reason = await asyncio.to_thread(backends.resolve, args.backend or str(_settings.get("backend")),
+                                               index.files)
+    replicas = await asyncio.to_thread(find_replicas, index, drives.mirrors)
+    roots = [index.root] + [os.path.abspath(os.fspath(m)) for m in drives.mirrors]
+    for root in drives.weights or {}:
+        if os.path.abspath(root) not in roots:
+            raise StoreError(f"weights: {root} is neither the source nor a mirror")
+    # a Backend object: fault injection and throttling wrap a real backend this way
+    be = backends.create(name) if args.backend is None or isinstance(args.backend, str) else args.backend
+    await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
+    weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
+    return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths,
+                    drives.stripe_threshold), reason
+
+
+async def assemble(args: OpenArgs) -> StoreParts:
+    """Check ``args``, read the index, size the budget, open the read path."""
+    _check_arguments(args)
+    drives = await _drives(args)
+    index = await asyncio.to_thread(load_index, drives.source)
+    if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
+        index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
+    budget = await _sized_budget(args, index)
+    io, reason = await _read_path(args, drives, index)
+    sink = None if args.telemetry is None else await asyncio.to_thread(TokenTelemetry, args.telemetry)
+    k = index.experts_per_token
+    growth = None
+    if args.budget_bytes == "auto" and k is not None:
+        growth = BudgetGrowth(_sizing.token_cycle_bytes(index, k), budget, _sizing.whole_cycles(index, k))
+    return StoreParts(index, budget, io, reason, args.policy or str(_settings.get("policy")),
+                      args.token_budget_bytes, sink, growth)

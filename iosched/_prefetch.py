@@ -1,0 +1,178 @@
+"""Prefetch: loads started ahead of demand, and the ledger of what became of them.
+
+:class:`PrefetchLedger` follows every entry a prefetch loaded: it stays *unused* until an
+acquire leases it (``prefetch_used``) or it leaves the table unleased (``prefetch_wasted``;
+``prefetch_failed`` when its load failed), so ``issued == used + wasted + failed + unused``
+until ``close()``; entries still unused at close are neither.  The hit path pays one test of
+the ledger's emptiness for it.
+
+:class:`Prefetcher` issues prefetches: the engine's own (``ExpertStore.prefetch``) and the
+policy's.  After an ``acquire_many`` holds its leases (the engine computes on that layer
+now), the policy's batch-end work is scheduled for the engine's next await: learning,
+predicting the next layer, issuing what it proposes and ranking the next batch's victims
+(``prepare``) cost a few hundred microseconds per batch, and the engine should be computing
+meanwhile.  If the next batch begins first, the work is skipped: the policy closes that
+batch itself, and prefetches for the layer already requested would come too late.
+
+What a prefetch may use: within the per-token byte budget (``token_budget_bytes``), the
+bytes the drives' idle time can absorb (``iosched/_pacing.py``, when pacing is on), and only
+reservations the policy's eviction guard accepts (``ResidencyTable.reserve_speculative_many``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Mapping
+from typing import cast
+
+from iosched.residency import Entry, Hooks, ResidencyTable
+
+from ._layout import ExpertKey, ExpertLayout
+from ._pacing import IdlePacer
+from ._room import Lifecycle
+from ._stats import RequestCounts
+
+
+class PrefetchLedger:
+    """What became of each entry a prefetch loaded."""
+
+    __slots__ = ("unused", "used", "wasted", "failed", "_lifecycle")
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.unused: dict[Hashable, Entry] = {}
+        """Entries a prefetch started (loading or resident) that no acquire has leased yet."""
+        self.used = self.wasted = self.failed = 0
+        self._lifecycle = lifecycle
+
+    def issued(self, entry: Entry) -> None:
+        self.unused[entry.key] = entry
+
+    def leased(self, entry: Entry) -> None:
+        """The first lease of an entry a prefetch loaded: the prefetch was used."""
+        if self.unused.get(entry.key) is entry:
+            del self.unused[entry.key]
+            self.used += 1
+
+    def left(self, entry: Entry, failed: bool = False) -> None:
+        """``entry`` left the table: if a prefetch loaded it and nobody leased it, the prefetch
+        was wasted (or failed)."""
+        if self.unused.get(entry.key) is entry:
+            del self.unused[entry.key]
+            if failed:
+                self.failed += 1
+            elif not self._lifecycle.closed:
+                self.wasted += 1
+
+
+class Prefetcher:
+    """Issues the engine's and the policy's prefetches within their budgets."""
+
+    def __init__(self, table: ResidencyTable, layouts: Mapping[ExpertKey, ExpertLayout],
+                 start_load: Callable[[Entry, ExpertLayout], object], ledger: PrefetchLedger,
+                 counts: RequestCounts, lifecycle: Lifecycle, *, token_budget_bytes: int | None,
+                 pacer: IdlePacer | None) -> None:
+        """``start_load(entry, layout)`` starts a prefetch-priority load of a reserved entry."""
+        self._table = table
+        self._hooks: Hooks = table.hooks
+        self._layouts = layouts
+        self._start_load = start_load
+        self._ledger = ledger
+        self._counts = counts
+        self._lifecycle = lifecycle
+        self.token_budget_bytes = token_budget_bytes
+        self.pacer = pacer
+        self.proposing = self._hooks.end_batch is not None
+        """Whether the policy has batch-end work (and may propose prefetches)."""
+        self._batch_end_at: int | None = None
+        """``requests`` when the last ``acquire_many`` completed, until the policy was told."""
+        self._speculative_bytes = 0
+        """Bytes prefetch started since the last token boundary."""
+        self.issued = self.dropped = 0
+        self.refused = self.refused_bytes = 0
+        self.promoted = 0
+        """Prefetch loads a demand acquire joined."""
+        self.policy_batches = 0
+        """Batches after which the policy proposed prefetches."""
+
+    def token_boundary(self) -> None:
+        """The per-token prefetch byte budget starts over."""
+        self._speculative_bytes = 0
+
+    def issue(self, layouts: list[ExpertLayout]) -> list[ExpertKey]:
+        """Start loads of the experts neither resident nor loading, within the token budget and
+        the room the eviction guard allows; the keys whose loads started."""
+        wanted: dict[ExpertKey, ExpertLayout] = {}
+        planned = self._speculative_bytes
+        budget = self.token_budget_bytes
+        for layout in layouts:
+            if self._table.get(layout.key) is not None or layout.key in wanted:
+                continue  # resident, or loading: a demand read got there first
+            if budget is not None and planned + layout.nbytes > budget:
+                self.refused += 1
+                self.refused_bytes += layout.nbytes
+                continue
+            planned += layout.nbytes
+            wanted[layout.key] = layout
+        entries = self._table.reserve_speculative_many([(k, lay.nbytes) for k, lay in wanted.items()])
+        started: list[ExpertKey] = []
+        for layout, entry in zip(wanted.values(), entries, strict=True):
+            if entry is None:  # no room without a leased/pinned/loading victim, or the
+                self.dropped += 1  # policy's eviction guard refused
+                continue
+            self._speculative_bytes += layout.nbytes
+            self._start_load(entry, layout)
+            self._ledger.issued(entry)
+            started.append(layout.key)
+        self.issued += len(started)
+        return started
+
+    def batch_done(self) -> None:
+        """An ``acquire_many`` holds all its leases: schedule the policy's batch-end work for
+        the engine's next await."""
+        if self.proposing and not self._lifecycle.closed:
+            self._batch_end_at = self._counts.requests
+            asyncio.get_running_loop().call_soon(self._policy_batch_end)
+
+    def _policy_batch_end(self) -> None:
+        if self._lifecycle.closed or self._batch_end_at != self._counts.requests:
+            return  # the next batch began first (see the module docstring)
+        self._batch_end_at = None
+        if self.pacer is not None:
+            self.pacer.interval_done()
+        end_batch, prepare = self._hooks.end_batch, self._hooks.prepare
+        if end_batch is None:
+            return
+        wanted = end_batch()
+        if wanted:
+            self.policy_batches += 1
+            self._proposed(wanted)
+        if prepare is not None:
+            prepare()
+
+    def _proposed(self, keys: list[Hashable]) -> None:
+        # (a key of the policy's shape that the checkpoint lacks is skipped)
+        layouts = [self._layouts[key] for key in cast("list[ExpertKey]", keys) if key in self._layouts]
+        pacer = self.pacer
+        if pacer is None:
+            self.issue(layouts)
+            return
+        # Only what the drives' idle time can absorb (iosched/_pacing.py); what the guard then
+        # refuses read nothing and goes back to the allowance.
+        charged: list[ExpertLayout] = []
+        for layout in layouts:
+            if self._table.get(layout.key) is not None:
+                continue  # resident or loading: costs nothing, and issue() skips it
+            if not pacer.take(layout.nbytes):
+                break
+            charged.append(layout)
+        started = set(self.issue(charged))
+        for layout in charged:
+            if layout.key not in started:
+                pacer.refund(layout.nbytes)
+
+    def close_last_batch(self) -> None:
+        """At ``close()``: a batch that ended with the policy not yet told is told now (its
+        proposals are not loaded: the store is closing)."""
+        if self._batch_end_at == self._counts.requests and self._hooks.end_batch is not None:
+            self._batch_end_at = None
+            self._hooks.end_batch()
