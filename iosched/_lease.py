@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from iosched.residency._table import Entry
+from iosched.residency import Entry
 
 from ._errors import StoreError
 from ._layout import ExpertKey

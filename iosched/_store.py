@@ -35,9 +35,8 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from iosched import backends
-from iosched.residency import _history
-from iosched.residency._policy import ModelShape, Policy
-from iosched.residency._table import Entry, EntryState, ResidencyTable
+from iosched.residency import Entry, EntryState, ModelShape, Policy, ResidencyTable
+from iosched.residency import history as _history
 from iosched.residency.registry import make_policy
 
 from . import _routing, _settings, _sizing

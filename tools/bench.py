@@ -48,10 +48,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from iosched import StoreError, _settings, backends
-from iosched._errors import BackendUnavailable, ReadError
-from iosched._topology import drive_of
+from iosched import BackendUnavailable, ReadError, StoreError, backends, settings
 from iosched.backends import Backend, Caps, ZeroCopyBackend
+from iosched.topology import drive_of
 
 from . import _runner
 from ._progress import run_progress
@@ -286,7 +285,7 @@ def _make_backend(name: str, direct: bool | None, qd: int) -> tuple[Backend, str
             kwargs["direct"] = direct
         if qd > 64:  # the ring keeps at most 2 * entries reads in flight (its CQ size)
             kwargs["entries"] = 1 << (qd - 1).bit_length()
-    with _settings.override(pread_threads=max(1, qd)):
+    with settings.override(pread_threads=max(1, qd)):
         if kwargs:  # a caching mode or ring size other than the store's: the class takes them
             from iosched.backends.uring import UringBackend
 

@@ -33,10 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, StoreError
-from iosched._checkpoint import load_index
-from iosched.residency import ResidencyTable
-from iosched.residency._policy import Policy
+from iosched import ExpertStore, StoreError, load_index
+from iosched.residency import Policy, ResidencyTable
 from iosched.residency.belady import BeladyPolicy
 
 from . import demo
@@ -139,9 +137,9 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     results: list[dict[str, Any]] = []
     arms: list[tuple[float, int | str]] = [(c, max(1, int(c * td))) for c in cycles]
     if auto:
-        from iosched import _settings
+        from iosched import settings
 
-        arms.append((float(_settings.get("auto_start_cycles")), "auto"))
+        arms.append((float(settings.get("auto_start_cycles")), "auto"))
     for c, budget in arms:
         for name in policies:
             if on_run is not None:

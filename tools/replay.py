@@ -59,10 +59,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from iosched import StoreError, _settings
-from iosched._errors import BudgetError
-from iosched.residency import POLICIES, Entry, ResidencyTable, make_policy
-from iosched.residency._policy import Key, ModelShape, Policy
+from iosched import BudgetError, StoreError, settings
+from iosched.residency import POLICIES, Entry, Key, ModelShape, Policy, ResidencyTable, make_policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
 from iosched.residency.lfu import LFUPolicy
 from iosched.residency.moe import MoEPolicy
@@ -697,7 +695,7 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
     trace = load_trace(args.trace, args.expert_bytes)
     width = (contextlib.nullcontext() if args.prefetch_width is None
-             else _settings.override(prefetch_width=args.prefetch_width))
+             else settings.override(prefetch_width=args.prefetch_width))
     runs = len(policies) * (len(cycles) + int(getattr(args, "auto_budget", False)))
     with run_progress("replay", runs) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(

@@ -41,9 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from iosched import ExpertStore, StoreError, backends
-from iosched._checkpoint import load_index
-from iosched._layout import CheckpointIndex, ExpertKey
+from iosched import CheckpointIndex, ExpertKey, ExpertStore, StoreError, backends, load_index
 from iosched.backends.faults import FaultPlan, FaultyBackend
 
 from . import _runner
