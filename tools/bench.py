@@ -52,7 +52,7 @@ from iosched import BackendUnavailable, ReadError, StoreError, backends, setting
 from iosched.backends import Backend, Caps, ZeroCopyBackend
 from iosched.topology import drive_of
 
-from . import _runner
+from . import _command, _runner
 from ._progress import run_progress
 from .fio import FioError, FioJob, fio_version, require_fio, run_fio
 
@@ -875,9 +875,7 @@ def sweep_table(out: dict[str, Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched bench`` on its own (tests, ``python -m iosched.tools.bench``); ``argv`` excludes
     ``bench``.  The command line's own entry point runs it, with its conventions."""
-    from .cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("bench", add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,8 +32,16 @@ implementations, rows named ``lcs:<algorithm>``; hits are taken from each ``get`
 ratios computed by this driver, so both arms are measured the same way.
 
 Without ``--simulate`` the trace is replayed with real reads against a checkpoint built to its
-shape, and ``--train A`` seeds each policy with trace A before measuring it on TRACE, reported
-beside a cold arm: both in ``tools/engine_replay.py``.
+shape (``tools/engine_replay.py``).  ``--simulate --train A`` seeds each policy with trace A
+before measuring it on TRACE (or ``--eval B``, which must be TRACE), reported beside a cold arm:
+the *seeded* arm replays A through a policy at the evaluation budget exactly as the simulation
+does, then evicts every entry through the table (so the policy is told of each removal and the
+invariants hold) and replays TRACE through a fresh ``ResidencyTable`` around the *same* policy
+object: what the policy learned (LFU's kept frequencies) survives, the resident set does not.
+The *cold* arm is the plain simulation of TRACE.  Rows carry ``"arm": "seeded"`` or ``"cold"``
+and only TRACE's requests are counted, so a pre-warmed policy is never compared with a cold
+baseline unawares.  Both traces must have the same shape (MoE layers and experts per layer).
+Belady has nothing to learn: rejected.
 
 TRACE is either format: a ``route_trace v1`` CSV (``tools/trace.py``) or the ``call row layer
 expert:gate ...`` text that engines emit (``tools/calltrace.py``), told apart by the first line;
@@ -62,10 +70,11 @@ import numpy.typing as npt
 from iosched import BudgetError, StoreError, settings
 from iosched.residency import POLICIES, Entry, Key, ModelShape, Policy, ResidencyTable, make_policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
-from iosched.residency.lfu import LFUPolicy
 from iosched.residency.moe import MoEPolicy
 
+from . import _command
 from ._progress import run_progress
+from ._replay_policies import OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
 from .trace import (
     PHASE_DECODE,
@@ -80,14 +89,6 @@ from .trace import (
 
 DEFAULT_CYCLES = "0.5,1,2,4,8"
 DEFAULT_POLICIES = "lru,lfu,default,belady"
-
-OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
-"""Offline policies this tool builds from the trace, and whether they bypass (see
-``residency/belady.py``)."""
-
-VARIANTS: dict[str, Callable[[], Policy]] = {"lfu-incache": lambda: LFUPolicy(history=False)}
-"""Replay-only variants of registered policies (the same classes, other settings), kept for
-the negative results in docs/residency.md; the store does not offer them."""
 
 LIBCACHESIM_ALGOS: tuple[str, ...] = ("LRU", "LFU", "ARC", "S3FIFO", "Sieve", "WTinyLFU", "LHD",
                                       "GDSF", "LeCaR", "Belady")
@@ -577,6 +578,119 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
 
 
 # ---------------------------------------------------------------------------------------------
+# train / eval (simulation)
+
+
+def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str) -> None:
+    if train.layers != ev.layers or train.n_expert != ev.n_expert:
+        raise StoreError(
+            f"--train {train_label} ({len(train.layers)} MoE layers x {train.n_expert} experts) "
+            f"and --eval {eval_label} ({len(ev.layers)} MoE layers x {ev.n_expert} experts) "
+            "have different shapes; a policy learns keys (layer, expert) of one model")
+
+
+def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
+                    budget: int, prefetch_width: int | None = None) -> dict[str, Any]:
+    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
+    if policy_name in OFFLINE:
+        raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
+                         "learn; --train does not apply to it")
+    t0 = time.perf_counter()
+    policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
+    assert not isinstance(policy, BeladyPolicy)
+    warm = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+    drive(warm, train)
+    warm.evict_all()  # through the table: the policy hears of every removal
+    warm.check()
+    if len(warm):
+        raise AssertionError("entries left after evict_all in a simulation")
+    history = getattr(policy, "history", None)
+    if callable(history):
+        # A policy that keeps a usage history is seeded the way the store seeds it: a fresh
+        # policy loads what the trained one saved (decayed by half, with its pins).
+        learned = history()
+        policy = build_policy(policy_name, ev, budget, prefetch_width)
+        policy.load_history(learned, "--train")  # type: ignore[attr-defined]
+    table = ResidencyTable(budget, policy, transient_bytes=transient_bytes_for(policy, ev, budget))
+    run = drive(table, ev)
+    row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
+    row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
+               rejections=table.rejections, evictions=table.evictions,
+               resident_bytes=table.used_bytes, resident_experts=len(table),
+               prefetch_refused_guard=table.refused_prefetches, **run.fields())
+    return row
+
+
+def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
+               cycles: Sequence[float], policies: Sequence[str],
+               on_run: Callable[[str], None] | None = None, *,
+               prefetch_width: int | None = None, routing: bool = True) -> dict[str, Any]:
+    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD);
+    ``routing=False``: the policies see the keys only (``--keys-only``)."""
+    for name in policies:
+        if name in OFFLINE:
+            raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
+                             "--train does not apply to it")
+    check_same_shape(train, train_label, ev, eval_label)
+    treqs, ereqs = Requests.of(train, routing), Requests.of(ev, routing)
+    results: list[dict[str, Any]] = []
+    for name in policies:
+        for c in cycles:
+            budget = budget_for(ev, c)
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, seeded")
+            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width))
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, cold")
+            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width)
+            row["arm"] = "cold"
+            results.append(row)
+    return {
+        "trace": eval_label,
+        "mode": "train_eval",
+        "train": train_label,
+        "eval": eval_label,
+        "k": ev.k,
+        "td_bytes": ev.td_bytes,
+        "results": results,
+        "source": ev.source,
+        "model": ev.model,
+        "arch": ev.arch,
+        "requests": len(ereqs),
+        "decode_requests": sum(ereqs.decode),
+        "train_requests": len(treqs),
+        "routing": routing,
+    }
+
+
+def train_eval_table(out: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cycles: list[float] = []
+    rows: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
+    for r in out["results"]:
+        if r["cycles"] not in cycles:
+            cycles.append(r["cycles"])
+        rows.setdefault((r["policy"], r["arm"]), {})[r["cycles"]] = r
+    table = Table(title=f"iosched replay: trained on {out['train']}, measured on {out['eval']}: "
+                        "decode hit % / byte hit % per budget (token cycles)")
+    table.add_column("policy", no_wrap=True)
+    table.add_column("arm", no_wrap=True)
+    for c in cycles:
+        table.add_column(f"{c:g} TD", justify="right")
+    for (name, arm), by_c in rows.items():
+        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
+                 if c in by_c else "-" for c in cycles]
+        table.add_row(name, arm, *cells)
+    note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
+            f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
+            f"{out['requests']} requests are counted.")
+    return Group(table, Text(note, style="dim"))
+
+
+# ---------------------------------------------------------------------------------------------
 # the command
 
 
@@ -652,8 +766,6 @@ def _print_table(table: Any) -> None:
 
 
 def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from . import engine_replay
-
     if not args.simulate:
         raise StoreError("--train needs --simulate (the seeded real-I/O replay is not built)")
     if args.compare_libcachesim:
@@ -665,12 +777,11 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(args.policy)
     train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
-        out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
-                                       prefetch_width=args.prefetch_width,
-                                       routing=not getattr(args, "keys_only", False))
+        out = train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
+                         prefetch_width=args.prefetch_width, routing=not getattr(args, "keys_only", False))
     out["sizes_assumed"] = train.sizes_assumed or ev.sizes_assumed
     if not args.json:
-        _print_table(engine_replay.train_eval_table(out))
+        _print_table(train_eval_table(out))
         if out["sizes_assumed"]:
             _print_note(SIZES_ASSUMED_NOTE)
     return out
@@ -815,9 +926,7 @@ def result_table(out: dict[str, Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched replay`` on its own (tests, ``python -m iosched.tools.replay``); ``argv`` excludes
     ``replay``.  The command line's own entry point runs it, with its conventions."""
-    from .cli import main as cli_main
-
-    return cli_main(["replay", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("replay", add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
