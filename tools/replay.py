@@ -23,8 +23,10 @@ requests.  Budgets are given in token cycles, TD = k x sum of the layers' expert
 
 ``--policy belady`` is the offline reference (``residency/belady.py``): it needs the future,
 so the store and the policy registry cannot build it; this tool builds it from the trace.
-``belady-bypass`` is the same rule with "OPT with bypass" admission and ``lfu-incache`` the
-in-cache LFU (libCacheSim's), kept for docs/residency.md's negative results.
+Two policies are experimental, kept only for docs/residency.md's negative results and
+accepted only with ``--experimental``: ``belady-bypass``, the same rule with "OPT with
+bypass" admission, and ``lfu-incache``, the in-cache LFU (libCacheSim's); their result rows
+carry ``"experimental": true`` (``tools/_replay_policies.py``).
 
 ``--compare-libcachesim`` replays the same sequence (keys ``layer * n_expert + expert``, sizes
 the layer's expert_bytes, cache size = the budget in bytes) through libCacheSim's own
@@ -74,7 +76,7 @@ from iosched.residency.moe import MoEPolicy
 
 from . import _command
 from ._progress import run_progress
-from ._replay_policies import OFFLINE, VARIANTS
+from ._replay_policies import EXPERIMENTAL, OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
 from .trace import (
     PHASE_DECODE,
@@ -207,17 +209,24 @@ def _sniff(source: str, text: str) -> str:
     return "call"  # blank or comments only: the call parser reports the empty trace
 
 
-def policy_names() -> list[str]:
-    """Every name ``--policy`` accepts: the registry's and the offline ones."""
-    return sorted(set(POLICIES) | set(OFFLINE) | set(VARIANTS))
+def policy_names(experimental: bool = False) -> list[str]:
+    """The names ``--policy`` accepts: the registry's and the offline reference, and with
+    ``experimental`` (``--experimental``) the experimental ones too."""
+    names = set(POLICIES) | set(OFFLINE) | set(VARIANTS)
+    return sorted(names if experimental else names - EXPERIMENTAL)
 
 
-def parse_policies(text: str) -> list[str]:
+def parse_policies(text: str, experimental: bool = False) -> list[str]:
+    """The policies of a ``--policy`` list, each known and named once; an experimental one
+    only with ``experimental`` (``--experimental``)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise StoreError(f"--policy: empty list {text!r}")
-    known = policy_names()
+    known = policy_names(experimental)
     for name in names:
+        if name in EXPERIMENTAL and not experimental:
+            raise StoreError(f"policy {name!r} is experimental (kept for docs/residency.md's negative "
+                             "results); --experimental accepts it")
         if name not in known:
             raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(known)}")
     if len(set(names)) != len(names):
@@ -452,6 +461,8 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
         row["prefetch_width"] = prefetch_width
     if token_budget_bytes is not None:
         row["token_budget_bytes"] = token_budget_bytes
+    if policy_name in EXPERIMENTAL:
+        row["experimental"] = True
     return row
 
 
@@ -618,6 +629,8 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
                rejections=table.rejections, evictions=table.evictions,
                resident_bytes=table.used_bytes, resident_experts=len(table),
                prefetch_refused_guard=table.refused_prefetches, **run.fields())
+    if policy_name in EXPERIMENTAL:
+        row["experimental"] = True
     return row
 
 
@@ -683,7 +696,7 @@ def train_eval_table(out: dict[str, Any]) -> Any:
     for (name, arm), by_c in rows.items():
         cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
                  if c in by_c else "-" for c in cycles]
-        table.add_row(name, arm, *cells)
+        table.add_row(f"{name} (experimental)" if name in EXPERIMENTAL else name, arm, *cells)
     note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
             f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
             f"{out['requests']} requests are counted.")
@@ -714,7 +727,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"budgets in token cycles, comma list (default {DEFAULT_CYCLES})")
     p.add_argument("--policy", default=DEFAULT_POLICIES,
                    help=f"policies, comma list (default {DEFAULT_POLICIES}); "
-                        f"one of {', '.join(policy_names())}")
+                        f"one of {', '.join(policy_names())}; "
+                        f"experimental, with --experimental: {', '.join(sorted(EXPERIMENTAL))}")
+    p.add_argument("--experimental", action="store_true",
+                   help="also accept the experimental policies (" + ", ".join(sorted(EXPERIMENTAL))
+                        + "), kept only for the negative results in docs/residency.md; their "
+                        'result rows carry "experimental": true')
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
                         + " (rows lcs:NAME)")
@@ -774,7 +792,7 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
         raise StoreError(f"--eval {args.eval} and TRACE {args.trace} name different traces; "
                          "the measured trace is TRACE (--eval may repeat it)")
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
         out = train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
@@ -800,7 +818,7 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_libcachesim:
         raise StoreError("--compare-libcachesim needs --simulate")
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     engine_replay.reject_offline(policies, "with real I/O")
     if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
@@ -871,7 +889,7 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     if not args.simulate:
         return _cmd_real(args)
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     if args.compare_libcachesim:
         libcachesim_module()  # fail before the trace is parsed
     trace = load_trace(args.trace, args.expert_bytes)
@@ -912,7 +930,7 @@ def result_table(out: dict[str, Any]) -> Any:
         table.add_column(f"{c:g} TD", justify="right")
     for name, by_c in rows.items():
         cells = [_cell(by_c[c]) if c in by_c else "-" for c in cycles]
-        table.add_row(name, *cells)
+        table.add_row(f"{name} (experimental)" if name in EXPERIMENTAL else name, *cells)
     note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
             f"{out['requests']} requests ({out['decode_requests']} decode), "
             f"{out['distinct_experts']} distinct experts")
