@@ -1,9 +1,9 @@
 """Drives and topology files: the supported surface for tools and operators.
 
 Which drive holds a file and its queue settings (:func:`drive_of`, :func:`drives_of`,
-:class:`Drive`, :class:`Discovery`), how fast it reads (:func:`probe_drive`, and the queue
-depth that speed suggests, :func:`suggest_queue_depth`), and the TOML topology file that
-``ExpertStore.open`` accepts as its source (:class:`Topology`, :class:`DeviceConfig`,
+:class:`Drive`, :class:`Discovery`), how fast it reads (:func:`probe_bandwidth`,
+:func:`probe_drive`, and the queue depth that speed suggests, :func:`suggest_queue_depth`),
+and the TOML topology file that ``ExpertStore.open`` accepts as its source (:class:`Topology`, :class:`DeviceConfig`,
 :func:`load_topology`, :func:`loads_topology`, :func:`dump_topology`,
 :func:`is_topology_file`; a malformed file raises :class:`TopologyError`, a
 ``StoreError``).  ``iosched topology`` and ``iosched bench`` are built on these names, and
@@ -27,6 +27,7 @@ from ._topology import (
     is_topology_file,
     load_topology,
     loads_topology,
+    probe_bandwidth,
     probe_drive,
     suggest_queue_depth,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "is_topology_file",
     "load_topology",
     "loads_topology",
+    "probe_bandwidth",
     "probe_drive",
     "suggest_queue_depth",
 ]
