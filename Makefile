@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/iosched demo
 
+# After the tests: the types (mypy --strict), the layer contracts (lint-imports reads
+# [tool.importlinter] in pyproject.toml; docs/design.md, "Import rules") and the lint (ruff).
 test: $(STAMP) bench-deps
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m mypy
+	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
 # The benchmark's own set-up: fio from Debian is the reference every row is compared with.

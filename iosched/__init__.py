@@ -5,8 +5,14 @@ store = await ExpertStore.open("ckpt/", budget_bytes=8 << 30)
 async with store.acquire((layer, expert)) as view:   # leased: cannot be evicted while held
     compute(view.tensors)
 ```
+
+``__all__`` is the package's API; with the public modules ``iosched.settings`` (the settings
+table and its override) and ``iosched.topology`` (drives and topology files), and the public
+modules of ``iosched.backends`` and ``iosched.residency``, it is all the command-line tools
+(``iosched.tools``) import: docs/design.md, "Import rules".
 """
 
+from ._checkpoint import load_index
 from ._errors import (
     BackendUnavailable,
     BudgetError,
@@ -43,6 +49,7 @@ __all__ = [
     "StoreStats",
     "TensorSpec",
     "UnknownExpertError",
+    "load_index",
     "override_settings",
 ]
 

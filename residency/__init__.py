@@ -5,6 +5,11 @@ file) decide admission and eviction order, and declare their optional abilities
 (:class:`Capability`, bound once by :func:`bind` into :class:`Hooks`).  ``make_policy(name)``
 builds one by name.  This module's names are the package's interface: the core and the
 tools import them from here, never from its private modules.
+
+Beyond these names, the package's public modules (``belady``, ``lfu``, ``lru``, ``moe``,
+``registry``, ``sketch``, ``wtinylfu``) are its interface too; the ``_``-prefixed modules are
+imported from inside the package only, a contract that ``lint-imports`` checks
+(docs/design.md, "Import rules").
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from iosched.residency._policy import Key
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
 from iosched.residency.lfu import LFUPolicy
 from iosched.tools import replay
+from iosched.tools._replay_policies import EXPERIMENTAL, OFFLINE, VARIANTS
 from iosched.tools.replay import Requests, budget_for, simulate
 from iosched.tools.trace import RouteTrace, load_bundled_trace, load_route_trace_text
 
@@ -118,7 +119,8 @@ def test_compare_libcachesim_rows_side_by_side(capfd: pytest.CaptureFixture[str]
     # 4 token cycles: libCacheSim's WTinyLFU prints a warning with printf there, which must
     # not reach stdout (capfd sees the real file descriptors).
     assert replay.main(["gemma", "--simulate", "--cycles", "1,4", "--policy",
-                        "lru,belady,lfu-incache", "--compare-libcachesim", "--json"]) == 0
+                        "lru,belady,lfu-incache", "--experimental", "--compare-libcachesim",
+                        "--json"]) == 0
     out: dict[str, Any] = json.loads(capfd.readouterr().out)
     check_contract(out)
     rows = {(r["policy"], r["cycles"]): r for r in out["results"]}
@@ -129,6 +131,8 @@ def test_compare_libcachesim_rows_side_by_side(capfd: pytest.CaptureFixture[str]
         for ours, theirs in (("lru", "lcs:LRU"), ("belady", "lcs:Belady"),
                              ("lfu-incache", "lcs:LFU")):
             assert rows[(ours, cycles)]["hits"] == rows[(theirs, cycles)]["hits"], (ours, cycles)
+        assert rows[("lfu-incache", cycles)]["experimental"] is True
+        assert "experimental" not in rows[("lru", cycles)]
     assert out["libcachesim_version"]
 
 
@@ -186,6 +190,7 @@ def test_tiny_hits_counted_by_hand(tiny: RouteTrace, policy: str) -> None:
     assert row["hits"] == row["decode_hits"] == hits
     assert row["decode_hit"] == hits / 8
     assert row["byte_hit"] == hits * 100 / 1000
+    assert row.get("experimental", False) is (policy in EXPERIMENTAL)
     # Half a cycle holds one expert and the sequence never repeats a key back to back.
     assert simulate(reqs, policy, 0.5, 100, check_every=1)["hits"] == 0
 
@@ -409,6 +414,60 @@ def test_errors_without_json_go_to_stderr(capsys: pytest.CaptureFixture[str]) ->
     assert replay.main(["gemma"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "belady" in captured.err  # offline only, refused with real I/O
+
+
+# ------------------------------------------------------------------------- experimental policies
+
+
+def test_experimental_policies_are_replay_only_and_named_apart() -> None:
+    assert EXPERIMENTAL == {"belady-bypass", "lfu-incache"}
+    assert EXPERIMENTAL <= set(OFFLINE) | set(VARIANTS)  # the replay knows how to build each
+    assert not EXPERIMENTAL & set(POLICIES)  # the store never offers them
+    assert not EXPERIMENTAL & set(replay.policy_names())
+    assert set(replay.policy_names(experimental=True)) == set(replay.policy_names()) | EXPERIMENTAL
+    assert replay.parse_policies("lru,lfu-incache", experimental=True) == ["lru", "lfu-incache"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTAL))
+def test_experimental_policies_need_the_flag(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--cycles", "1", "--policy", f"lru,{name}",
+                            "--json"], status=2)
+    assert f"{name!r} is experimental" in out["error"] and "--experimental" in out["error"]
+
+
+def test_unknown_policy_lists_the_normal_choices_only(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--simulate", "--policy", "nope", "--json"], status=2)
+    assert "wtinylfu" in out["error"]
+    assert not any(name in out["error"] for name in EXPERIMENTAL)
+
+
+def test_experimental_rows_carry_the_mark(tiny: RouteTrace, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tiny.csv"
+    path.write_text(TINY)
+    out = run_json(capsys, [str(path), "--simulate", "--cycles", "1", "--policy",
+                            "lru,lfu-incache,belady-bypass", "--experimental", "--json"])
+    check_contract(out)
+    marks = {r["policy"]: r.get("experimental") for r in out["results"]}
+    assert marks == {"lru": None, "lfu-incache": True, "belady-bypass": True}
+    assert {r["policy"]: r["hits"] for r in out["results"]} == {
+        name: TINY_HITS[name] for name in ("lru", "lfu-incache", "belady-bypass")}
+    assert replay.main([str(path), "--simulate", "--cycles", "1", "--policy", "lfu-incache",
+                        "--experimental"]) == 0
+    assert "lfu-incache (experimental)" in capsys.readouterr().out
+
+
+def test_help_lists_experimental_policies_apart() -> None:
+    parser = argparse.ArgumentParser(prog="iosched")
+    sub = parser.add_subparsers(dest="command", required=True)
+    replay.add_parser(sub)
+    helps = {opt: action.help or "" for action in sub.choices["replay"]._actions
+             for opt in action.option_strings}
+    normal, experimental = helps["--policy"].split("experimental, with --experimental:")
+    assert "one of belady, default, lfu, lru, moe, wtinylfu" in normal
+    assert not any(name in normal for name in EXPERIMENTAL)
+    assert experimental.strip() == "belady-bypass, lfu-incache"
+    assert "negative results" in helps["--experimental"]
 
 
 def test_store_error_is_the_base() -> None:

@@ -6,14 +6,14 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from iosched import _settings
+from iosched import settings
 
 T = TypeVar("T")
 
 
 def loop_factory() -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
     """The event loop the tools run on, by name, and how to make one."""
-    choice = str(_settings.get("loop"))
+    choice = str(settings.get("loop"))
     if choice in ("auto", "uvloop"):
         try:
             import uvloop

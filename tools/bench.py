@@ -48,12 +48,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from iosched import StoreError, _settings, backends
-from iosched._errors import BackendUnavailable, ReadError
-from iosched._topology import drive_of
+from iosched import BackendUnavailable, ReadError, StoreError, backends, settings
 from iosched.backends import Backend, Caps, ZeroCopyBackend
+from iosched.topology import drive_of
 
-from . import _runner
+from . import _command, _runner
 from ._progress import run_progress
 from .fio import FioError, FioJob, fio_version, require_fio, run_fio
 
@@ -286,7 +285,7 @@ def _make_backend(name: str, direct: bool | None, qd: int) -> tuple[Backend, str
             kwargs["direct"] = direct
         if qd > 64:  # the ring keeps at most 2 * entries reads in flight (its CQ size)
             kwargs["entries"] = 1 << (qd - 1).bit_length()
-    with _settings.override(pread_threads=max(1, qd)):
+    with settings.override(pread_threads=max(1, qd)):
         if kwargs:  # a caching mode or ring size other than the store's: the class takes them
             from iosched.backends.uring import UringBackend
 
@@ -876,9 +875,7 @@ def sweep_table(out: dict[str, Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched bench`` on its own (tests, ``python -m iosched.tools.bench``); ``argv`` excludes
     ``bench``.  The command line's own entry point runs it, with its conventions."""
-    from .cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("bench", add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,39 +2,21 @@
 
 Every subcommand takes ``--json`` and then prints exactly one JSON object on stdout (an
 ``{"error": ...}`` object, with exit status 2, when it fails on bad input); without it,
-a human-readable table.  Progress goes to stderr so stdout stays clean.
+a human-readable table.  Progress goes to stderr so stdout stays clean.  Those conventions
+live in ``tools/_command.py``, which the modules that run their subcommand on their own
+(``python -m iosched.tools.bench``) share with this one.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, cast
+from collections.abc import Sequence
+from typing import Any
 
 from iosched import StoreError
 
-from . import _runner
-
-
-class UsageError(StoreError):
-    """The command line itself is wrong: a missing argument, a value of the wrong type."""
-
-    usage = ""
-    """The usage line of the (sub)command that was misused."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, except that a usage error raises :class:`UsageError` instead of exiting, so
-    that ``--json`` callers get the one JSON object they were promised for that error too.
-    ``add_subparsers`` builds the subcommands' parsers with this class as well."""
-
-    def error(self, message: str) -> NoReturn:
-        exc = UsageError(f"{self.prog}: {message}")
-        exc.usage = self.format_usage()
-        raise exc
+from . import _command, _runner
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -42,11 +24,7 @@ def _add_json(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="iosched", description=__doc__.splitlines()[0])
-    # The subcommands' parsers are _Parser too (argparse uses the parent's class); the modules
-    # that register them take the plain type.
-    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
-               parser.add_subparsers(dest="command", required=True))
+    parser, sub = _command.new_parser(description=__doc__.splitlines()[0])
 
     demo = sub.add_parser("demo", help="replay a bundled real routing trace through the store")
     demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
@@ -84,31 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except UsageError as exc:
-        if "--json" in argv:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        else:
-            print(f"{exc.usage}error: {exc}", file=sys.stderr, end="\n")
-        return 2
-    func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
-    try:
-        result = func(args)
-    except StoreError as exc:
-        if args.json:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        else:
-            print(f"iosched {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        try:
-            print(json.dumps(result, sort_keys=True), flush=True)
-        except BrokenPipeError:  # `iosched ... --json | head`: the reader left; not an error of ours
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    """``iosched ARGV...`` (default ``sys.argv[1:]``): every subcommand, with the conventions
+    of ``tools/_command.py``; the exit status."""
+    return _command.run(build_parser(), sys.argv[1:] if argv is None else argv)
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, StoreError, _settings
-from iosched._checkpoint import load_index
+from iosched import ExpertStore, StoreError, load_index, settings
 
 from .synth import write_safetensors_moe
 from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
@@ -57,7 +56,7 @@ class DemoConfig:
 
 
 def cache_dir() -> Path:
-    configured = str(_settings.get("cache_dir"))
+    configured = str(settings.get("cache_dir"))
     if configured:
         return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,4 +1,4 @@
-"""``iosched replay`` beyond the simulation: real-I/O replay, and ``--train A --eval B``.
+"""``iosched replay`` with real reads: the store itself replays a routing trace.
 
 Real-I/O replay (``iosched replay TRACE`` without ``--simulate``)
     Builds once, in the cache folder, the demo's safetensors checkpoint for the trace's shape
@@ -14,15 +14,9 @@ Real-I/O replay (``iosched replay TRACE`` without ``--simulate``)
     replay counts them per batch, since the store's ``hits`` leaves joins out.  Belady needs the
     future, which the store cannot have: rejected here.
 
-Train/eval (``--simulate --train A``, the evaluation trace being TRACE, or ``--eval B``)
-    The *seeded* arm replays A through a policy at the evaluation budget exactly as the
-    simulation does, then evicts every entry through the table (so the policy is told of each
-    removal and the invariants hold) and replays B through a fresh ``ResidencyTable`` around
-    the *same* policy object: what the policy learned (LFU's kept frequencies) survives, the
-    resident set does not.  The *cold* arm is the plain simulation of B.  Rows carry
-    ``"arm": "seeded"`` or ``"cold"`` and only B's requests are counted, so a pre-warmed policy
-    is never compared with a cold baseline unawares.  A and B must have the same shape (MoE
-    layers and experts per layer).  Belady has nothing to learn: rejected.
+The simulation, ``--train``'s seeded replay and the command are ``tools/replay.py``'s, which
+imports this module for the runs without ``--simulate``; this one needs only the names of the
+offline policies (``tools/_replay_policies.py``), so the two do not import each other.
 """
 
 from __future__ import annotations
@@ -33,12 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, InvariantError, StoreError
-from iosched._checkpoint import load_index
-from iosched.residency import Policy, bind
+from iosched import ExpertStore, StoreError, load_index
 
 from . import demo
-from .replay import OFFLINE, Requests, _row, budget_for, build_policy, build_table, drive, simulate
+from ._replay_policies import OFFLINE
 from .trace import RouteTrace
 
 DEFAULT_COMPUTE_MS = 1.0
@@ -137,9 +129,9 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     results: list[dict[str, Any]] = []
     arms: list[tuple[float, int | str]] = [(c, max(1, int(c * td))) for c in cycles]
     if auto:
-        from iosched import _settings
+        from iosched import settings
 
-        arms.append((float(_settings.get("auto_start_cycles")), "auto"))
+        arms.append((float(settings.get("auto_start_cycles")), "auto"))
     for c, budget in arms:
         for name in policies:
             if on_run is not None:
@@ -162,95 +154,6 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
         "backend": backend,
         "cold": cold,
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
-        "routing": routing,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# train / eval (simulation)
-
-
-def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str) -> None:
-    if train.layers != ev.layers or train.n_expert != ev.n_expert:
-        raise StoreError(
-            f"--train {train_label} ({len(train.layers)} MoE layers x {train.n_expert} experts) "
-            f"and --eval {eval_label} ({len(ev.layers)} MoE layers x {ev.n_expert} experts) "
-            "have different shapes; a policy learns keys (layer, expert) of one model")
-
-
-def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
-                    budget: int, prefetch_width: int | None = None) -> dict[str, Any]:
-    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
-    if policy_name in OFFLINE:
-        raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
-                         "learn; --train does not apply to it")
-    t0 = time.perf_counter()
-    policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
-    warm = build_table(policy, ev, budget)
-    drive(warm, train)
-    warm.evict_all()  # through the table: the policy hears of every removal
-    warm.check()
-    if len(warm):
-        raise InvariantError("entries left after evict_all in a simulation")
-    if warm.hooks.history is not None:
-        # A policy that keeps a usage history is seeded the way the store seeds it: a fresh
-        # policy loads what the trained one saved (decayed by half, with its pins), shaped
-        # first, and bound to its table after.
-        learned = warm.hooks.history.history()
-        policy = build_policy(policy_name, ev, budget, prefetch_width)
-        fresh = bind(policy)
-        if fresh.set_shape is not None:
-            fresh.set_shape(ev.shape)
-        if fresh.history is not None:
-            fresh.history.load_history(learned, "--train")
-    table = build_table(policy, ev, budget)
-    run = drive(table, ev)
-    row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
-    row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
-               rejections=table.rejections, evictions=table.evictions,
-               resident_bytes=table.used_bytes, resident_experts=len(table),
-               prefetch_refused_guard=table.refused_prefetches, **run.fields())
-    return row
-
-
-def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
-               cycles: Sequence[float], policies: Sequence[str],
-               on_run: Callable[[str], None] | None = None, *,
-               prefetch_width: int | None = None, routing: bool = True) -> dict[str, Any]:
-    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD);
-    ``routing=False``: the policies see the keys only (``--keys-only``)."""
-    for name in policies:
-        if name in OFFLINE:
-            raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
-                             "--train does not apply to it")
-    check_same_shape(train, train_label, ev, eval_label)
-    treqs, ereqs = Requests.of(train, routing), Requests.of(ev, routing)
-    results: list[dict[str, Any]] = []
-    for name in policies:
-        for c in cycles:
-            budget = budget_for(ev, c)
-            if on_run is not None:
-                on_run(f"{name} @ {c:g} cycles, seeded")
-            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width))
-            if on_run is not None:
-                on_run(f"{name} @ {c:g} cycles, cold")
-            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width)
-            row["arm"] = "cold"
-            results.append(row)
-    return {
-        "trace": eval_label,
-        "mode": "train_eval",
-        "train": train_label,
-        "eval": eval_label,
-        "k": ev.k,
-        "td_bytes": ev.td_bytes,
-        "results": results,
-        "source": ev.source,
-        "model": ev.model,
-        "arch": ev.arch,
-        "requests": len(ereqs),
-        "decode_requests": sum(ereqs.decode),
-        "train_requests": len(treqs),
         "routing": routing,
     }
 
@@ -279,31 +182,4 @@ def real_table(out: dict[str, Any]) -> Any:
     note = (f"{out['model'] or out['source']}: k={out['k']}, checkpoint TD="
             f"{out['td_bytes'] / 2**20:.2f} MiB, {out['tokens']} decode tokens, "
             f"{'cold' if out['cold'] else 'warm'} page cache; {out['checkpoint']}")
-    return Group(table, Text(note, style="dim"))
-
-
-def train_eval_table(out: dict[str, Any]) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    cycles: list[float] = []
-    rows: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
-    for r in out["results"]:
-        if r["cycles"] not in cycles:
-            cycles.append(r["cycles"])
-        rows.setdefault((r["policy"], r["arm"]), {})[r["cycles"]] = r
-    table = Table(title=f"iosched replay: trained on {out['train']}, measured on {out['eval']}: "
-                        "decode hit % / byte hit % per budget (token cycles)")
-    table.add_column("policy", no_wrap=True)
-    table.add_column("arm", no_wrap=True)
-    for c in cycles:
-        table.add_column(f"{c:g} TD", justify="right")
-    for (name, arm), by_c in rows.items():
-        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
-                 if c in by_c else "-" for c in cycles]
-        table.add_row(name, arm, *cells)
-    note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
-            f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
-            f"{out['requests']} requests are counted.")
     return Group(table, Text(note, style="dim"))

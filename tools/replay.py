@@ -23,8 +23,10 @@ requests.  Budgets are given in token cycles, TD = k x sum of the layers' expert
 
 ``--policy belady`` is the offline reference (``residency/belady.py``): it needs the future,
 so the store and the policy registry cannot build it; this tool builds it from the trace.
-``belady-bypass`` is the same rule with "OPT with bypass" admission and ``lfu-incache`` the
-in-cache LFU (libCacheSim's), kept for docs/residency.md's negative results.
+Two policies are experimental, kept only for docs/residency.md's negative results and
+accepted only with ``--experimental``: ``belady-bypass``, the same rule with "OPT with
+bypass" admission, and ``lfu-incache``, the in-cache LFU (libCacheSim's); their result rows
+carry ``"experimental": true`` (``tools/_replay_policies.py``).
 
 ``--compare-libcachesim`` replays the same sequence (keys ``layer * n_expert + expert``, sizes
 the layer's expert_bytes, cache size = the budget in bytes) through libCacheSim's own
@@ -32,8 +34,16 @@ implementations, rows named ``lcs:<algorithm>``; hits are taken from each ``get`
 ratios computed by this driver, so both arms are measured the same way.
 
 Without ``--simulate`` the trace is replayed with real reads against a checkpoint built to its
-shape, and ``--train A`` seeds each policy with trace A before measuring it on TRACE, reported
-beside a cold arm: both in ``tools/engine_replay.py``.
+shape (``tools/engine_replay.py``).  ``--simulate --train A`` seeds each policy with trace A
+before measuring it on TRACE (or ``--eval B``, which must be TRACE), reported beside a cold arm:
+the *seeded* arm replays A through a policy at the evaluation budget exactly as the simulation
+does, then evicts every entry through the table (so the policy is told of each removal and the
+invariants hold) and replays TRACE through a fresh ``ResidencyTable`` around the *same* policy
+object: what the policy learned (LFU's kept frequencies) survives, the resident set does not.
+The *cold* arm is the plain simulation of TRACE.  Rows carry ``"arm": "seeded"`` or ``"cold"``
+and only TRACE's requests are counted, so a pre-warmed policy is never compared with a cold
+baseline unawares.  Both traces must have the same shape (MoE layers and experts per layer).
+Belady has nothing to learn: rejected.
 
 TRACE is either format: a ``route_trace v1`` CSV (``tools/trace.py``) or the ``call row layer
 expert:gate ...`` text that engines emit (``tools/calltrace.py``), told apart by the first line;
@@ -59,15 +69,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from iosched import StoreError, _settings
-from iosched._errors import BudgetError
-from iosched.residency import POLICIES, Capability, Entry, ResidencyTable, make_policy
-from iosched.residency._policy import Key, ModelShape, Policy
+from iosched import BudgetError, InvariantError, StoreError, settings
+from iosched.residency import POLICIES, Capability, Entry, Key, ModelShape, Policy, ResidencyTable, bind, make_policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
-from iosched.residency.lfu import LFUPolicy
 from iosched.residency.moe import MoEPolicy
 
+from . import _command
 from ._progress import run_progress
+from ._replay_policies import EXPERIMENTAL, OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
 from .trace import (
     PHASE_DECODE,
@@ -82,14 +91,6 @@ from .trace import (
 
 DEFAULT_CYCLES = "0.5,1,2,4,8"
 DEFAULT_POLICIES = "lru,lfu,default,belady"
-
-OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
-"""Offline policies this tool builds from the trace, and whether they bypass (see
-``residency/belady.py``)."""
-
-VARIANTS: dict[str, Callable[[], Policy]] = {"lfu-incache": lambda: LFUPolicy(history=False)}
-"""Replay-only variants of registered policies (the same classes, other settings), kept for
-the negative results in docs/residency.md; the store does not offer them."""
 
 LIBCACHESIM_ALGOS: tuple[str, ...] = ("LRU", "LFU", "ARC", "S3FIFO", "Sieve", "WTinyLFU", "LHD",
                                       "GDSF", "LeCaR", "Belady")
@@ -208,17 +209,24 @@ def _sniff(source: str, text: str) -> str:
     return "call"  # blank or comments only: the call parser reports the empty trace
 
 
-def policy_names() -> list[str]:
-    """Every name ``--policy`` accepts: the registry's and the offline ones."""
-    return sorted(set(POLICIES) | set(OFFLINE) | set(VARIANTS))
+def policy_names(experimental: bool = False) -> list[str]:
+    """The names ``--policy`` accepts: the registry's and the offline reference, and with
+    ``experimental`` (``--experimental``) the experimental ones too."""
+    names = set(POLICIES) | set(OFFLINE) | set(VARIANTS)
+    return sorted(names if experimental else names - EXPERIMENTAL)
 
 
-def parse_policies(text: str) -> list[str]:
+def parse_policies(text: str, experimental: bool = False) -> list[str]:
+    """The policies of a ``--policy`` list, each known and named once; an experimental one
+    only with ``experimental`` (``--experimental``)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise StoreError(f"--policy: empty list {text!r}")
-    known = policy_names()
+    known = policy_names(experimental)
     for name in names:
+        if name in EXPERIMENTAL and not experimental:
+            raise StoreError(f"policy {name!r} is experimental (kept for docs/residency.md's negative "
+                             "results); --experimental accepts it")
         if name not in known:
             raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(known)}")
     if len(set(names)) != len(names):
@@ -455,6 +463,8 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
         row["prefetch_width"] = prefetch_width
     if token_budget_bytes is not None:
         row["token_budget_bytes"] = token_budget_bytes
+    if policy_name in EXPERIMENTAL:
+        row["experimental"] = True
     return row
 
 
@@ -581,6 +591,124 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
 
 
 # ---------------------------------------------------------------------------------------------
+# train / eval (simulation)
+
+
+def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str) -> None:
+    if train.layers != ev.layers or train.n_expert != ev.n_expert:
+        raise StoreError(
+            f"--train {train_label} ({len(train.layers)} MoE layers x {train.n_expert} experts) "
+            f"and --eval {eval_label} ({len(ev.layers)} MoE layers x {ev.n_expert} experts) "
+            "have different shapes; a policy learns keys (layer, expert) of one model")
+
+
+def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
+                    budget: int, prefetch_width: int | None = None) -> dict[str, Any]:
+    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
+    if policy_name in OFFLINE:
+        raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
+                         "learn; --train does not apply to it")
+    t0 = time.perf_counter()
+    policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
+    warm = build_table(policy, ev, budget)
+    drive(warm, train)
+    warm.evict_all()  # through the table: the policy hears of every removal
+    warm.check()
+    if len(warm):
+        raise InvariantError("entries left after evict_all in a simulation")
+    if warm.hooks.history is not None:
+        # A policy that keeps a usage history is seeded the way the store seeds it: a fresh
+        # policy loads what the trained one saved (decayed by half, with its pins), shaped
+        # first, and bound to its table after.
+        learned = warm.hooks.history.history()
+        policy = build_policy(policy_name, ev, budget, prefetch_width)
+        fresh = bind(policy)
+        if fresh.set_shape is not None:
+            fresh.set_shape(ev.shape)
+        if fresh.history is not None:
+            fresh.history.load_history(learned, "--train")
+    table = build_table(policy, ev, budget)
+    run = drive(table, ev)
+    row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
+    row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
+               rejections=table.rejections, evictions=table.evictions,
+               resident_bytes=table.used_bytes, resident_experts=len(table),
+               prefetch_refused_guard=table.refused_prefetches, **run.fields())
+    if policy_name in EXPERIMENTAL:
+        row["experimental"] = True
+    return row
+
+
+def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
+               cycles: Sequence[float], policies: Sequence[str],
+               on_run: Callable[[str], None] | None = None, *,
+               prefetch_width: int | None = None, routing: bool = True) -> dict[str, Any]:
+    """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD);
+    ``routing=False``: the policies see the keys only (``--keys-only``)."""
+    for name in policies:
+        if name in OFFLINE:
+            raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
+                             "--train does not apply to it")
+    check_same_shape(train, train_label, ev, eval_label)
+    treqs, ereqs = Requests.of(train, routing), Requests.of(ev, routing)
+    results: list[dict[str, Any]] = []
+    for name in policies:
+        for c in cycles:
+            budget = budget_for(ev, c)
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, seeded")
+            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width))
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles, cold")
+            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width)
+            row["arm"] = "cold"
+            results.append(row)
+    return {
+        "trace": eval_label,
+        "mode": "train_eval",
+        "train": train_label,
+        "eval": eval_label,
+        "k": ev.k,
+        "td_bytes": ev.td_bytes,
+        "results": results,
+        "source": ev.source,
+        "model": ev.model,
+        "arch": ev.arch,
+        "requests": len(ereqs),
+        "decode_requests": sum(ereqs.decode),
+        "train_requests": len(treqs),
+        "routing": routing,
+    }
+
+
+def train_eval_table(out: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cycles: list[float] = []
+    rows: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
+    for r in out["results"]:
+        if r["cycles"] not in cycles:
+            cycles.append(r["cycles"])
+        rows.setdefault((r["policy"], r["arm"]), {})[r["cycles"]] = r
+    table = Table(title=f"iosched replay: trained on {out['train']}, measured on {out['eval']}: "
+                        "decode hit % / byte hit % per budget (token cycles)")
+    table.add_column("policy", no_wrap=True)
+    table.add_column("arm", no_wrap=True)
+    for c in cycles:
+        table.add_column(f"{c:g} TD", justify="right")
+    for (name, arm), by_c in rows.items():
+        cells = [f"{100 * by_c[c]['decode_hit']:.1f} / {100 * by_c[c]['byte_hit']:.1f}"
+                 if c in by_c else "-" for c in cycles]
+        table.add_row(f"{name} (experimental)" if name in EXPERIMENTAL else name, arm, *cells)
+    note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
+            f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
+            f"{out['requests']} requests are counted.")
+    return Group(table, Text(note, style="dim"))
+
+
+# ---------------------------------------------------------------------------------------------
 # the command
 
 
@@ -604,7 +732,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"budgets in token cycles, comma list (default {DEFAULT_CYCLES})")
     p.add_argument("--policy", default=DEFAULT_POLICIES,
                    help=f"policies, comma list (default {DEFAULT_POLICIES}); "
-                        f"one of {', '.join(policy_names())}")
+                        f"one of {', '.join(policy_names())}; "
+                        f"experimental, with --experimental: {', '.join(sorted(EXPERIMENTAL))}")
+    p.add_argument("--experimental", action="store_true",
+                   help="also accept the experimental policies (" + ", ".join(sorted(EXPERIMENTAL))
+                        + "), kept only for the negative results in docs/residency.md; their "
+                        'result rows carry "experimental": true')
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
                         + " (rows lcs:NAME)")
@@ -656,8 +789,6 @@ def _print_table(table: Any) -> None:
 
 
 def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from . import engine_replay
-
     if not args.simulate:
         raise StoreError("--train needs --simulate (the seeded real-I/O replay is not built)")
     if args.compare_libcachesim:
@@ -666,15 +797,14 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
         raise StoreError(f"--eval {args.eval} and TRACE {args.trace} name different traces; "
                          "the measured trace is TRACE (--eval may repeat it)")
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
-        out = engine_replay.train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
-                                       prefetch_width=args.prefetch_width,
-                                       routing=not getattr(args, "keys_only", False))
+        out = train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
+                         prefetch_width=args.prefetch_width, routing=not getattr(args, "keys_only", False))
     out["sizes_assumed"] = train.sizes_assumed or ev.sizes_assumed
     if not args.json:
-        _print_table(engine_replay.train_eval_table(out))
+        _print_table(train_eval_table(out))
         if out["sizes_assumed"]:
             _print_note(SIZES_ASSUMED_NOTE)
     return out
@@ -693,13 +823,13 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_libcachesim:
         raise StoreError("--compare-libcachesim needs --simulate")
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     engine_replay.reject_offline(policies, "with real I/O")
     if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
     trace = load_trace(args.trace, args.expert_bytes)
     width = (contextlib.nullcontext() if args.prefetch_width is None
-             else _settings.override(prefetch_width=args.prefetch_width))
+             else settings.override(prefetch_width=args.prefetch_width))
     runs = len(policies) * (len(cycles) + int(getattr(args, "auto_budget", False)))
     with run_progress("replay", runs) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
@@ -764,7 +894,7 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     if not args.simulate:
         return _cmd_real(args)
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False))
     if args.compare_libcachesim:
         libcachesim_module()  # fail before the trace is parsed
     trace = load_trace(args.trace, args.expert_bytes)
@@ -805,7 +935,7 @@ def result_table(out: dict[str, Any]) -> Any:
         table.add_column(f"{c:g} TD", justify="right")
     for name, by_c in rows.items():
         cells = [_cell(by_c[c]) if c in by_c else "-" for c in cycles]
-        table.add_row(name, *cells)
+        table.add_row(f"{name} (experimental)" if name in EXPERIMENTAL else name, *cells)
     note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB, "
             f"{out['requests']} requests ({out['decode_requests']} decode), "
             f"{out['distinct_experts']} distinct experts")
@@ -819,9 +949,7 @@ def result_table(out: dict[str, Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """``iosched replay`` on its own (tests, ``python -m iosched.tools.replay``); ``argv`` excludes
     ``replay``.  The command line's own entry point runs it, with its conventions."""
-    from .cli import main as cli_main
-
-    return cli_main(["replay", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("replay", add_parser, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,7 +22,7 @@ from typing import Any
 from iosched import ExpertStore, StoreError, backends, override_settings
 from iosched.backends.throttle import ThrottledBackend
 
-from . import _runner
+from . import _command, _runner
 from .demo import cache_dir
 from .synth import write_safetensors_moe
 
@@ -158,8 +158,4 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via tools.cli
-    import sys
-
-    from .cli import main as cli_main
-
-    return cli_main(["bench-replicas", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("bench-replicas", add_parser, argv)

@@ -1,11 +1,11 @@
-"""Writes ``docs/settings.md`` from :data:`iosched._settings.SETTINGS`, the one table of knobs.
+"""Writes ``docs/settings.md`` from :data:`iosched.settings.SETTINGS`, the one table of knobs.
 
 ``python -m iosched.tools.settings_doc > docs/settings.md``; a test checks the file is current.
 """
 
 from __future__ import annotations
 
-from iosched._settings import SETTINGS
+from iosched.settings import SETTINGS
 
 
 def render() -> str:

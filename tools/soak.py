@@ -32,7 +32,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,12 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from iosched import ExpertStore, StoreError, backends
-from iosched._checkpoint import load_index
-from iosched._layout import CheckpointIndex, ExpertKey
+from iosched import CheckpointIndex, ExpertKey, ExpertStore, StoreError, backends, load_index
 from iosched.backends.faults import FaultPlan, FaultyBackend
 
-from . import _runner
+from . import _command, _runner
 from .demo import cache_dir
 from .synth import write_safetensors_moe
 
@@ -420,6 +417,4 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via tools.cli
-    from .cli import main as cli_main
-
-    return cli_main(["soak", *(sys.argv[1:] if argv is None else argv)])
+    return _command.run_one("soak", add_parser, argv)

@@ -12,7 +12,7 @@
 * ``--write FILE``: a TOML topology (schema in ``iosched/_topology_toml.py``): the first PATH
   is the primary checkpoint, the others its mirrors; one ``[[device]]`` per drive with
   ``weight`` = probed MB/s over the fastest drive's (1.0 each without ``--probe``) and
-  ``queue_depth`` from :func:`iosched._topology.suggest_queue_depth`.
+  ``queue_depth`` from :func:`iosched.topology.suggest_queue_depth`.
 
 JSON: ``{"paths": {PATH: drive}, "drives": {drive: {facts..., "probe": {...} | null}},
 "files": {PATH: {drive: {"files": n, "bytes": b}}}, "discovery": "pyudev" | "sysfs",
@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from iosched import StoreError
-from iosched._topology import (
+from iosched.topology import (
     DEFAULT_QUEUE_DEPTH,
     DeviceConfig,
     Discovery,

@@ -35,7 +35,7 @@ then decode of the turn": that is the order in which an engine serving the conve
 would issue the requests. Decode token indices (``req_token``) run over all turns,
 0..T-1, so a token index identifies one decode step of the whole trace.
 
-Parsing errors raise :class:`TraceError` (a :class:`~iosched._errors.StoreError`) whose
+Parsing errors raise :class:`TraceError` (a :class:`~iosched.StoreError`) whose
 message names the file and the 1-based line number, so a bad trace can be fixed by hand.
 
 The other input format, the ``call row layer expert:gate ...`` text that engines emit, is
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from iosched._errors import StoreError
+from iosched import StoreError
 
 __all__ = [
     "PHASE_DECODE",
