@@ -23,10 +23,11 @@ from ._errors import (
     StoreError,
     UnknownExpertError,
 )
+from ._growth import GrowthDecision, GrowthStats, GrowthStep
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
 from ._lease import Lease, LeaseGroup
 from ._settings import override as override_settings
-from ._stats import StoreStats
+from ._stats import DeviceStats, ReplicaStats, RequestTally, StoreStats, TierStats
 from ._store import ExpertStore
 from ._view import ExpertView
 
@@ -35,19 +36,26 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "CheckpointIndex",
+    "DeviceStats",
     "ExpertKey",
     "ExpertLayout",
     "ExpertStore",
     "ExpertView",
     "Extent",
+    "GrowthDecision",
+    "GrowthStats",
+    "GrowthStep",
     "InvariantError",
     "Lease",
     "LeaseGroup",
     "ReadError",
+    "ReplicaStats",
+    "RequestTally",
     "StoreClosed",
     "StoreError",
     "StoreStats",
     "TensorSpec",
+    "TierStats",
     "UnknownExpertError",
     "load_index",
     "override_settings",

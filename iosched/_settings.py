@@ -94,7 +94,7 @@ SETTINGS: dict[str, Setting] = {
             "layer's predicted experts: `k` (the experts routed per token and layer) bounds "
             "prefetch to one token cycle of bytes per token, what a cold cache reads anyway; "
             "`0` turns prefetch off. `token_budget_bytes` caps it further. Hits against bytes "
-            "moved for other widths: docs/residency.md.",
+            "moved for other widths: docs/residency-notebook.md.",
         ),
         Setting(
             "prefetch_pacing", "IOSCHED_PREFETCH_PACING", "idle", _choice("idle", "none"),
@@ -102,7 +102,7 @@ SETTINGS: dict[str, Setting] = {
             "batch ends, what the drives' idle time times their measured bandwidth could have "
             "read; iosched/_pacing.py), or `none` (all of them, within `token_budget_bytes`). "
             "Measured for `idle`: on a drive-bound run prefetching everything raised the felt "
-            "wait by 20-42 % (docs/residency.md).",
+            "wait by 20-42 % (docs/residency-notebook.md).",
         ),
         Setting(
             "auto_start_cycles", "IOSCHED_AUTO_START_CYCLES", 2, _positive_int,

@@ -463,6 +463,20 @@ def _percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[max(0, min(len(sorted_ms) - 1, math.ceil(q * len(sorted_ms)) - 1))]
 
 
+def _probe_target(path: str, qd: int, bs: int, max_bytes: int, seconds: float) -> int:
+    """The size of the file a probe reads; a ``StoreError`` for bad arguments or a file that
+    is not a non-empty regular file."""
+    if qd < 1 or bs < 1 or max_bytes < 1 or seconds <= 0:
+        raise StoreError(f"probe needs qd, bs, max_bytes and seconds > 0, got {qd}, {bs}, {max_bytes}, {seconds}")
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+    if size == 0 or not os.path.isfile(path):
+        raise StoreError(f"{path}: probe needs a non-empty regular file")
+    return size
+
+
 async def probe_bandwidth(path_on_drive: str, qd: int = DEFAULT_QUEUE_DEPTH, bs: int = 1 << 20,
                           max_bytes: int = 256 << 20, seconds: float = 3.0, *,
                           progress: Callable[[int], None] | None = None, seed: int = 1) -> dict[str, Any]:
@@ -479,14 +493,7 @@ async def probe_bandwidth(path_on_drive: str, qd: int = DEFAULT_QUEUE_DEPTH, bs:
 
     from . import _settings
 
-    if qd < 1 or bs < 1 or max_bytes < 1 or seconds <= 0:
-        raise StoreError(f"probe needs qd, bs, max_bytes and seconds > 0, got {qd}, {bs}, {max_bytes}, {seconds}")
-    try:
-        size = os.path.getsize(path_on_drive)
-    except OSError as exc:
-        raise StoreError(f"{path_on_drive}: cannot stat: {exc.strerror or exc}") from None
-    if size == 0 or not os.path.isfile(path_on_drive):
-        raise StoreError(f"{path_on_drive}: probe needs a non-empty regular file")
+    size = _probe_target(path_on_drive, qd, bs, max_bytes, seconds)
     with _settings.override(pread_threads=qd):
         backend = backends.create("odirect")
     backend.open([path_on_drive])

@@ -39,7 +39,7 @@ to the mean; without measurements (the replay) every miss costs the same, so the
 counts hits, the replay's metric.
 
 Demand misses are always admitted: an admission filter measured no gain on the bundled traces
-(docs/residency.md, negative results), and a demand miss's bytes are held while the engine
+(docs/residency-notebook.md, negative results), and a demand miss's bytes are held while the engine
 computes on it anyway.
 
 Nothing here is fitted to a trace: ``k``, ``L`` and the expert sizes come from the model's
@@ -203,7 +203,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """The eviction guard: load ``key`` ahead of demand only if its density (with its
         predicted chance of being routed at the next visit) beats that of every expert it
         would displace.  Measured alternative, dropped: comparing hit probabilities within
-        the horizon instead of densities lost 1-3 points at 0.5-2 TD (docs/residency.md)."""
+        the horizon instead of densities lost 0.5-2.9 points at 0.5-2 TD (docs/residency-notebook.md)."""
         if not victims:
             return True
         self._refresh()
@@ -387,7 +387,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         Why: a batch of many tokens (a prompt) reaches the policy as the union of its experts,
         which says nothing about which experts go together; its rows do, and they are all the
         co-activation evidence there is before the first decode token.  Measured with the
-        bundled traces' prompts (28 and 29 tokens, docs/residency.md): 8 TD decode hits
+        bundled traces' prompts (docs/residency-notebook.md): 8 TD decode hits
         93.7 -> 94.9 (qwen) and 92.6 -> 93.5 (gemma).  A single row is ignored: its batch, at
         most ``k`` keys, is paired at its end already."""
         if self._shape is None or rows.ndim != 2 or rows.shape[0] <= 1:

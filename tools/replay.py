@@ -23,7 +23,7 @@ requests.  Budgets are given in token cycles, TD = k x sum of the layers' expert
 
 ``--policy belady`` is the offline reference (``residency/belady.py``): it needs the future,
 so the store and the policy registry cannot build it; this tool builds it from the trace.
-Two policies are experimental, kept only for docs/residency.md's negative results and
+Two policies are experimental, kept only for docs/residency-notebook.md's negative results and
 accepted only with ``--experimental``: ``belady-bypass``, the same rule with "OPT with
 bypass" admission, and ``lfu-incache``, the in-cache LFU (libCacheSim's); their result rows
 carry ``"experimental": true`` (``tools/_replay_policies.py``).
@@ -225,7 +225,7 @@ def parse_policies(text: str, experimental: bool = False) -> list[str]:
     known = policy_names(experimental)
     for name in names:
         if name in EXPERIMENTAL and not experimental:
-            raise StoreError(f"policy {name!r} is experimental (kept for docs/residency.md's negative "
+            raise StoreError(f"policy {name!r} is experimental (kept for docs/residency-notebook.md's negative "
                              "results); --experimental accepts it")
         if name not in known:
             raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(known)}")
@@ -736,7 +736,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         f"experimental, with --experimental: {', '.join(sorted(EXPERIMENTAL))}")
     p.add_argument("--experimental", action="store_true",
                    help="also accept the experimental policies (" + ", ".join(sorted(EXPERIMENTAL))
-                        + "), kept only for the negative results in docs/residency.md; their "
+                        + "), kept only for the negative results in docs/residency-notebook.md; their "
                         'result rows carry "experimental": true')
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
