@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from iosched import _settings
 from iosched._errors import BackendUnavailable
+from iosched._settings import get as setting
 
 from ._base import Backend, Caps, TieredBackend, ZeroCopyBackend, map_tiered, read_tiered
 
@@ -91,7 +91,7 @@ def resolve(name: str, paths: Sequence[str] = ()) -> tuple[str, str | None]:
 
 def create(name: str) -> Backend:
     """A new, unopened backend; ``name`` must be one :func:`resolve` accepts (not ``auto``)."""
-    threads = int(_settings.get("pread_threads"))
+    threads = int(setting("pread_threads"))
     if name == "pread":
         from .pread import PreadBackend
 

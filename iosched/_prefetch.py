@@ -150,8 +150,11 @@ class Prefetcher:
             prepare()
 
     def _proposed(self, keys: list[Hashable]) -> None:
-        # (a key of the policy's shape that the checkpoint lacks is skipped)
-        layouts = [self._layouts[key] for key in cast("list[ExpertKey]", keys) if key in self._layouts]
+        # (a key of the policy's shape that the checkpoint lacks is skipped, and so is an expert
+        # larger than the region admitted entries may use: it could never be reserved)
+        room = self._table.main_bytes
+        layouts = [layout for key in cast("list[ExpertKey]", keys)
+                   if (layout := self._layouts.get(key)) is not None and layout.nbytes <= room]
         pacer = self.pacer
         if pacer is None:
             self.issue(layouts)

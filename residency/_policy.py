@@ -55,8 +55,10 @@ flag               protocol                   hooks, and who calls them when
                                               load; refusing leaves the table untouched (a
                                               prefetch must not displace what is worth more)
 ``WAIT_COST``      :class:`WaitCostAware`     ``on_wait(key, seconds)``: the store, with the
-                                              felt wait of each demand miss (time the engine
-                                              spent awaiting it)
+                                              felt wait of each acquire that waited (a miss
+                                              or a join of a load in flight; one that failed
+                                              or was cancelled too): the time the engine
+                                              spent awaiting it
 ``ROUTING``        :class:`RoutingAware`      ``on_routing(layer, rows)``: the router's
                                               output of a batch of tokens, ``rows`` an
                                               ``int64 [tokens, k]`` array (-1 pads a slot),
@@ -184,7 +186,8 @@ class WaitCostAware(Protocol):
     """``Capability.WAIT_COST``."""
 
     def on_wait(self, key: Key, seconds: float) -> None:
-        """The felt wait of a demand miss of ``key``."""
+        """How long an acquire of ``key`` that did not hit waited (miss or join, whatever
+        its outcome)."""
 
 
 @runtime_checkable
