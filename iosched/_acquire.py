@@ -20,6 +20,8 @@ import asyncio
 import time
 from collections.abc import Mapping
 
+import numpy as np
+
 from iosched.residency import Entry, EntryState, ResidencyTable
 
 from ._autogrow import AutoGrow
@@ -30,6 +32,16 @@ from ._prefetch import Prefetcher, PrefetchLedger
 from ._room import Lifecycle, Room
 from ._scheduler import DEMAND
 from ._stats import RequestCounts
+
+
+def _strict_key(key: object) -> ExpertKey:
+    """``key`` as a tuple of Python ints when it is a ``(layer, expert)`` pair of integers
+    (numpy integers included); :class:`UnknownExpertError` for anything else: ``(True, False)``
+    must not serve expert ``(1, 0)``, nor ``(1.0, 2.0)`` expert ``(1, 2)``."""
+    if isinstance(key, tuple) and len(key) == 2 and all(
+            isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_)) for part in key):
+        return int(key[0]), int(key[1])
+    raise UnknownExpertError(f"expert key must be a (layer, expert) tuple of ints, got {key!r}")
 
 
 class Acquirer:
@@ -57,18 +69,14 @@ class Acquirer:
         self._wait_since = 0.0
 
     def layout_of(self, key: ExpertKey) -> ExpertLayout:
-        try:
-            layout = self._layouts.get(key)
-        except TypeError:
-            raise UnknownExpertError(
-                f"expert key must be a (layer, expert) tuple of ints, got {key!r}"
-            ) from None
+        """The layout of ``key``, a ``(layer, expert)`` tuple of true integers (``int`` or a
+        numpy integer; never a ``bool`` or a ``float``, which hash like the integers they
+        equal); :class:`UnknownExpertError` naming the key otherwise."""
+        if type(key) is tuple and len(key) == 2 and type(key[0]) is int and type(key[1]) is int:
+            layout = self._layouts.get(key)  # the hit path's check: exact types, no conversion
+        else:
+            layout = self._layouts.get(_strict_key(key))
         if layout is None:
-            if not (isinstance(key, tuple) and len(key) == 2
-                    and all(isinstance(k, int) and not isinstance(k, bool) for k in key)):
-                raise UnknownExpertError(
-                    f"expert key must be a (layer, expert) tuple of ints, got {key!r}"
-                )
             layers = self._index.layers()
             raise UnknownExpertError(f"no expert {key!r} in {self._index.root} "
                                      f"(layers {layers[0]}..{layers[-1]})")
@@ -121,18 +129,28 @@ class Acquirer:
 
     async def _lease_when_loaded(self, layout: ExpertLayout) -> Entry:
         """Reserve and start the load if nobody did, wait for it, lease the entry."""
-        table, key = self._table, layout.key
+        table, key, room = self._table, layout.key, self._room
         entry: Entry | None = None
+        ticket: int | None = None  # its place in the room's line, once it waited
+        woken = False
         try:
             while True:
                 entry = table.get(key)
                 if entry is None:
                     entry = table.reserve(key, layout.nbytes)
                     if entry is None:
-                        await self._room.wait()
+                        if woken:  # woken but still short: so is every larger need
+                            room.pass_below(layout.nbytes)
+                        if ticket is None:
+                            ticket = room.ticket()
+                        await room.wait(layout.nbytes, ticket, again=woken)
+                        woken = True
                         self._lifecycle.check_open()
                         continue
                     self._loader.start(entry, layout)
+                if woken:  # reserved, or found it loading or loaded: the next may find room too
+                    woken = False
+                    room.pass_on()
                 if entry.state is EntryState.RESIDENT:
                     self._lease(entry)
                     return entry

@@ -187,7 +187,7 @@ class Loader:
             self._table.remove(entry)
             self._ledger.left(entry)
             self.free(entry)
-        if self._room.waiters:
+        if self._room:
             self._room.wake()
 
     def free(self, entry: Entry) -> None:

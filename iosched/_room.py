@@ -3,13 +3,31 @@
 :class:`Lifecycle` is the store's open/closed flag, read by every part (an acquire after
 ``close()`` raises :class:`StoreClosed`; the prefetcher and the budget growth do nothing once
 closed).  :class:`Room` is where an acquire whose bytes cannot be reserved now waits, until a
-lease or a load ends, the budget grows, or the store closes; each of those wakes every
-waiter, and each waiter retries its reservation.
+lease or a load ends, the budget grows, or the store closes.
+
+Waking passes one wake-up along instead of waking every waiter.  :meth:`Room.wake` wakes the
+longest-waiting acquire; it retries its reservation and passes the wake-up on: to the oldest
+waiter (:meth:`Room.pass_on`) when it did not find the room short (it reserved its bytes, and
+there may be room for the next; it found its expert loading or loaded meanwhile; it was
+cancelled first), and to the oldest waiter needing *fewer* bytes (:meth:`Room.pass_below`) when
+it did, itself waiting again at the head of its line.  Why that is enough: whether
+``ResidencyTable.reserve`` finds room depends on the bytes asked, not on the key, and
+monotonically (more bytes need a superset of victims; with a transient slot, a miss that fails
+has failed the slot's path, which needs no more than the admitted path's victims), so when an
+acquire needing ``n`` bytes fails, every one needing ``n`` or more would fail too.  A chain
+therefore ends only when nobody in line could reserve now, as when every waiter was woken and
+retried, and it costs one wake-up per reservation plus one per distinct size that fails: O(1)
+per event with an expert size per layer, not O(waiters).  Waking everyone made N waiters cost
+O(N) retries per event, O(N²) in all: 20,000 concurrent acquires on a two-expert budget took
+85x the time of 2,000 (``iosched contention``, docs/reliability.md).  :meth:`Room.wake_all`
+(at close) wakes everyone: each then finds the store closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 
 from ._errors import StoreClosed
 
@@ -30,28 +48,76 @@ class Lifecycle:
 
 
 class Room:
-    """Acquires waiting for bytes to free up."""
+    """Acquires waiting for bytes to free up: one line per size needed, oldest first."""
 
-    __slots__ = ("waiters",)
+    __slots__ = ("_lines", "_seq")
 
     def __init__(self) -> None:
-        self.waiters: list[asyncio.Future[None]] = []
+        self._lines: dict[int, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        """Bytes needed -> ``(ticket, future)`` of the acquires needing that many, oldest first;
+        futures of woken or cancelled waiters stay until a wake-up passes them (skipped)."""
+        self._seq = itertools.count()
 
-    async def wait(self) -> None:
-        """Until the next :meth:`wake` (the caller then retries its reservation)."""
+    @property
+    def waiters(self) -> list[asyncio.Future[None]]:
+        """Every future in line (done ones not yet passed included)."""
+        return [fut for line in self._lines.values() for _, fut in line]
+
+    def __bool__(self) -> bool:
+        """Whether anyone may be in line (O(sizes), not O(waiters))."""
+        return bool(self._lines)
+
+    def ticket(self) -> int:
+        """An acquire's place in line, taken when it first waits and kept when it waits again."""
+        return next(self._seq)
+
+    async def wait(self, need: int, ticket: int, *, again: bool = False) -> None:
+        """Until woken, for an acquire needing ``need`` bytes; the caller then retries and
+        either passes the wake-up on (:meth:`pass_on`, it did not find the room short) or
+        waits ``again`` (it did: back at the head of its line, and the chain goes on only to
+        smaller needs, :meth:`pass_below`)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
+        line = self._lines.setdefault(need, collections.deque())
+        if again:
+            line.appendleft((ticket, fut))  # it was its line's head: order by ticket holds
+        else:
+            line.append((ticket, fut))
         try:
             await fut
-        finally:
-            # A cancelled waiter's future is done (cancelled) but still listed: drop it now
-            # rather than at the next wake-up.
-            if fut in self.waiters:
-                self.waiters.remove(fut)
+        except asyncio.CancelledError:
+            # cancelled in line: its future is cancelled too, and wake-ups skip it (removing
+            # it now would cost O(waiters)); cancelled after a wake-up: pass that on
+            if not fut.cancelled():
+                self.pass_on()
+            raise
 
-    def wake(self) -> None:
-        """Wake every waiter: something that held bytes let go of them, or the store closed."""
-        waiters, self.waiters = self.waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+    def wake(self, below: int | None = None) -> None:
+        """Wake the oldest acquire in line (needing fewer than ``below`` bytes, if given)."""
+        best: collections.deque[tuple[int, asyncio.Future[None]]] | None = None
+        for need in list(self._lines):
+            line = self._lines[need]
+            while line and line[0][1].done():
+                line.popleft()
+            if not line:
+                del self._lines[need]
+            elif (below is None or need < below) and (best is None or line[0][0] < best[0][0]):
+                best = line
+        if best is not None:
+            best.popleft()[1].set_result(None)
+
+    def pass_on(self) -> None:
+        """A woken acquire that did not find the room short passes the wake-up to the oldest."""
+        self.wake()
+
+    def pass_below(self, need: int) -> None:
+        """A woken acquire needing ``need`` bytes found the room short: every acquire needing
+        as much or more would too, so the wake-up goes on to smaller needs only."""
+        self.wake(below=need)
+
+    def wake_all(self) -> None:
+        """Wake every acquire in line (the store is closing)."""
+        lines, self._lines = self._lines, {}
+        for line in lines.values():
+            for _, fut in line:
+                if not fut.done():
+                    fut.set_result(None)

@@ -39,6 +39,9 @@ def routing_rows(index: CheckpointIndex, layer: Any, experts: Any) -> npt.NDArra
     if arr.ndim != 2:
         raise StoreError(f"observe_routing: layer {layer}: experts must be [tokens, k], got "
                          f"shape {arr.shape}")
+    if arr.size and np.issubdtype(arr.dtype, np.unsignedinteger) and int(arr.max()) > np.iinfo(np.int64).max:
+        # would wrap negative as int64 (2**64 - 1 would read as -1, an empty slot)
+        raise StoreError(f"observe_routing: layer {layer}: expert id {int(arr.max())} is out of range")
     rows = arr.astype(np.int64)  # a copy: the engine may reuse its buffer
     named = [e for e in np.unique(rows).tolist() if e != -1]
     missing = [e for e in named if (layer, e) not in index.experts]

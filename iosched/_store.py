@@ -189,7 +189,7 @@ class ExpertStore:
         if self._lifecycle.closed:
             return
         self._lifecycle.closed = True
-        self._room.wake()
+        self._room.wake_all()
         await self._loader.drain()
         self._prefetcher.close_last_batch()
         failure: BaseException | None = None

@@ -403,7 +403,7 @@ def test_cli_table_and_train_eval_say_sizes_were_assumed(
 
 @pytest.mark.parametrize("argv,words", [
     (["gemma", "--expert-bytes", "4096"], "--expert-bytes applies to call traces only"),
-    (["BARE", "--expert-bytes", "0"], "--expert-bytes must be a positive number"),
+    (["BARE", "--expert-bytes", "0"], "argument --expert-bytes: '0' is not a positive integer"),
     (["BARE", "--train", "gemma"], "have different shapes"),
     (["BARE", "--train", "gemma", "--expert-bytes", "64"], "--expert-bytes applies to call"),
 ])

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from iosched import _settings
-from iosched.tools.cli import main
+from iosched.tools import _command
+from iosched.tools.cli import build_parser, main
 
 CONTRACT_KEYS = {
     "requests", "hits", "misses", "single_flight_joins", "bytes_read", "resident_bytes",
@@ -81,3 +84,52 @@ def test_settings_doc_is_current() -> None:
     assert (Path(__file__).parents[1] / "docs" / "settings.md").read_text() == render(), (
         "docs/settings.md is stale: run python -m iosched.tools.settings_doc > docs/settings.md"
     )
+
+
+# ------------------------------------------------------------------------- bad option values
+
+BAD_VALUES = {
+    _command.positive_int: ["0", "-1", "1.5", "x", ""],
+    _command.non_negative_int: ["-1", "x", ""],
+    _command.positive_float: ["0", "-2", "nan", "inf", "x"],
+    _command.non_negative_float: ["-0.5", "nan", "-inf", "x"],
+    _command.fraction: ["1.5", "-0.1", "nan"],
+    _command.int_list: ["", "0", "1,x", ",", "2,-3"],
+}
+UNCHECKED_OPTIONS = {"--seed"}
+"""Numeric options where every integer is valid."""
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _numeric_options() -> list[tuple[str, str, Any]]:
+    rows = []
+    for name, sub in sorted(_subcommands().items()):
+        for action in sub._actions:
+            if action.type in BAD_VALUES:
+                rows.append((name, action.option_strings[0], action.type))
+    return rows
+
+
+def test_no_numeric_option_takes_a_bare_int_or_float() -> None:
+    bare = [f"{name} {action.option_strings}" for name, sub in _subcommands().items() for action in sub._actions
+            if action.type in (int, float) and not set(action.option_strings) & UNCHECKED_OPTIONS]
+    assert not bare, f"use a converter of iosched/tools/_command.py (VALUE_TYPES): {bare}"
+    assert len(_numeric_options()) > 30  # the converters are found (every subcommand has some)
+
+
+@pytest.mark.parametrize("command,option,kind", _numeric_options())
+def test_a_bad_option_value_is_one_json_error(command: str, option: str, kind: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    sub = _subcommands()[command]
+    positionals = ["placeholder" for a in sub._actions if not a.option_strings and a.nargs is None]
+    for value in BAD_VALUES[kind]:
+        assert main([command, *positionals, f"{option}={value}", "--json"]) == 2, (option, value)
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1, out  # exactly one JSON object
+        error = json.loads(out)
+        assert error["type"] == "UsageError" and option in error["error"], error

@@ -4,7 +4,6 @@ the TOML schema, the probe and the ``iosched topology`` command."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -37,6 +36,7 @@ from iosched._topology import (
     read_mountinfo,
     suggest_queue_depth,
 )
+from iosched.tools import _command
 from iosched.tools import topology as topology_cli
 
 if sys.version_info >= (3, 11):
@@ -456,8 +456,7 @@ def test_suggest_queue_depth() -> None:
 
 
 def _cli(*argv: str) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="iosched")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = _command.new_parser()  # a bad value is a UsageError (a StoreError), as in iosched
     topology_cli.add_parser(sub)
     args = parser.parse_args(["topology", *argv])
     out: dict[str, Any] = args.func(args)

@@ -93,3 +93,72 @@ def run_one(name: str, add_parser: Callable[[SubParsers[argparse.ArgumentParser]
     parser, sub = new_parser()
     add_parser(sub)
     return run(parser, [name, *(sys.argv[1:] if argv is None else argv)])
+
+
+# ------------------------------------------------------------------------- typed option values
+# Each option's value is checked when it is parsed: a bad one is a UsageError (so with --json,
+# one JSON error object and exit status 2), never a traceback from deep inside the command.
+# tests/test_cli.py checks that no numeric option of any subcommand takes a bare int or float.
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0."""
+    value = int(_number(text, int))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = float(_number(text, float))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = float(_number(text, float))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (a rate or a share)."""
+    value = float(_number(text, float))
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in [0, 1]")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers, at least one."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no number")
+    return [positive_int(p) for p in parts]
+
+
+VALUE_TYPES = (positive_int, non_negative_int, positive_float, non_negative_float, fraction, int_list)
+"""The converters above: every numeric option of every subcommand uses one (or a parser of its
+own that raises on bad values, such as bench's sizes)."""

@@ -689,7 +689,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"pread, odirect, mmap, uring, auto or {NAIVE} (aiofiles by hand); default pread")
     p.add_argument("--bs", default="1M", help="read size: bytes or 64k, 4M, 4MiB... (default 1M)")
     p.add_argument("--qd", default="8", help="reads in flight: reader coroutines (default 8)")
-    p.add_argument("--seconds", type=float, default=None,
+    p.add_argument("--seconds", type=_command.positive_float, default=None,
                    help="duration of each run (default 5; 1 with --sweep)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--direct", action="store_true",
@@ -709,7 +709,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bs-list", default=None, help=f"sweep: comma list (default {','.join(SWEEP_BS)})")
     p.add_argument("--qd-list", default=None,
                    help=f"sweep: comma list (default {','.join(map(str, SWEEP_QD))})")
-    p.add_argument("--reps", type=int, default=3, help="sweep: repetitions per configuration (default 3)")
+    p.add_argument("--reps", type=_command.positive_int, default=3,
+                   help="sweep: repetitions per configuration (default 3)")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="sweep: write MB/s and p99 vs depth per block size (matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

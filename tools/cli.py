@@ -28,13 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="replay a bundled real routing trace through the store")
     demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
-    demo.add_argument("--budget-cycles", type=float, default=4.0,
+    demo.add_argument("--budget-cycles", type=_command.positive_float, default=4.0,
                       help="budget in token cycles (k x bytes of one expert per layer, summed); default 4")
-    demo.add_argument("--compute-ms", type=float, default=1.0, help="emulated compute per layer (default 1 ms)")
+    demo.add_argument("--compute-ms", type=_command.non_negative_float, default=1.0,
+                      help="emulated compute per layer (default 1 ms)")
     demo.add_argument("--backend", default="auto")
     demo.add_argument("--policy", default="default")
-    demo.add_argument("--tokens", type=int, default=None, help="stop after this many decode tokens")
-    demo.add_argument("--scale", type=int, default=16,
+    demo.add_argument("--tokens", type=_command.positive_int, default=None, help="stop after this many decode tokens")
+    demo.add_argument("--scale", type=_command.positive_int, default=16,
                       help="experts this many times smaller than Qwen3-30B-A3B's in each dimension "
                            "(default 16: 36 KiB; 2: 2.25 MiB, a real Q4 expert's size)")
     demo.add_argument("--warm", action="store_true",
@@ -44,17 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, replay, replica_bench, soak, topology
+    from . import bench, contention, replay, replica_bench, soak, topology
 
     bench.add_parser(sub)
+    contention.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
     topology.add_parser(sub)
 
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
-    hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")
-    hit.add_argument("--reps", type=int, default=7, help="repetitions, interleaved across loops (default 7)")
+    hit.add_argument("--n", type=_command.positive_int, default=20000,
+                     help="acquires per repetition (default 20000)")
+    hit.add_argument("--reps", type=_command.positive_int, default=7,
+                     help="repetitions, interleaved across loops (default 7)")
     hit.add_argument("--policy", default="default", help="residency policy (default: default, the moe policy)")
     _add_json(hit)
     hit.set_defaults(func=_cmd_hitpath)

@@ -741,10 +741,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)
                         + " (rows lcs:NAME)")
-    p.add_argument("--prefetch-width", type=int, default=None, metavar="N",
+    p.add_argument("--prefetch-width", type=_command.non_negative_int, default=None, metavar="N",
                    help="experts the moe/default policy may propose per batch (default: k, one "
                         "batch's worth; 0: no prefetch, eviction only)")
-    p.add_argument("--token-budget", type=float, default=None, metavar="CYCLES",
+    p.add_argument("--token-budget", type=_command.non_negative_float, default=None, metavar="CYCLES",
                    help="with --simulate: cap on the bytes prefetched per token, in token cycles "
                         "(default: none beyond the policy's own width)")
     p.add_argument("--train", metavar="A", default=None,
@@ -752,16 +752,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "before measuring it on TRACE; seeded and cold arms are reported apart")
     p.add_argument("--eval", metavar="B", default=None,
                    help="the trace measured with --train (default and must-match: TRACE)")
-    p.add_argument("--expert-bytes", type=int, default=None, metavar="N",
+    p.add_argument("--expert-bytes", type=_command.positive_int, default=None, metavar="N",
                    help="bytes of one expert, for a call trace whose header has no '# layer=' "
                         "lines (default: 1 MiB, reported as sizes_assumed); an error with a "
                         "route_trace v1 CSV, whose header gives the sizes")
-    p.add_argument("--compute-ms", type=float, default=1.0,
+    p.add_argument("--compute-ms", type=_command.non_negative_float, default=1.0,
                    help="real I/O: emulated compute per layer in ms (default 1)")
     p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=_command.positive_int, default=None,
                    help="real I/O: stop after this many decode tokens")
-    p.add_argument("--scale", type=int, default=16,
+    p.add_argument("--scale", type=_command.positive_int, default=16,
                    help="real I/O: experts this many times smaller than Qwen3-30B-A3B's in each "
                         "dimension (default 16, 36 KiB; 2 gives 2.25 MiB, a real Q4 expert's size)")
     p.add_argument("--auto-budget", action="store_true",

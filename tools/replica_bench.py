@@ -102,12 +102,12 @@ async def run(layers: int, experts: int, slow_fraction: float, concurrency: int,
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench-replicas", help="routing and striping over a fast and a throttled replica")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--slow-fraction", type=float, default=0.33,
+    p.add_argument("--layers", type=_command.positive_int, default=4)
+    p.add_argument("--experts", type=_command.positive_int, default=16)
+    p.add_argument("--slow-fraction", type=_command.fraction, default=0.33,
                    help="the mirror's bandwidth as a fraction of the primary's (default 0.33)")
-    p.add_argument("--concurrency", type=int, default=8, help="acquires in flight (default 8)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--concurrency", type=_command.positive_int, default=8, help="acquires in flight (default 8)")
+    p.add_argument("--reps", type=_command.positive_int, default=3)
     p.add_argument("--plot", metavar="PATH.png", help="write a bar chart of MB/s per arm")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd)

@@ -346,18 +346,22 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = SoakConfig()
     p = sub.add_parser("soak", help="long concurrent run with faults on one replica; checks every byte")
-    p.add_argument("--acquires", type=int, default=d.acquires, help=f"expert acquires to issue (default {d.acquires})")
-    p.add_argument("--tasks", type=int, default=d.tasks, help=f"concurrent tasks (default {d.tasks})")
-    p.add_argument("--group", type=int, default=d.group, help=f"largest acquire_many (default {d.group})")
-    p.add_argument("--cancel-rate", type=float, default=d.cancel_rate,
+    p.add_argument("--acquires", type=_command.positive_int, default=d.acquires,
+                   help=f"expert acquires to issue (default {d.acquires})")
+    p.add_argument("--tasks", type=_command.positive_int, default=d.tasks,
+                   help=f"concurrent tasks (default {d.tasks})")
+    p.add_argument("--group", type=_command.positive_int, default=d.group,
+                   help=f"largest acquire_many (default {d.group})")
+    p.add_argument("--cancel-rate", type=_command.fraction, default=d.cancel_rate,
                    help=f"fraction of operations cancelled at a random point (default {d.cancel_rate})")
-    p.add_argument("--fault-rate", type=float, default=d.fault_rate,
+    p.add_argument("--fault-rate", type=_command.fraction, default=d.fault_rate,
                    help=f"per mirror read: chance of EIO, of a short read, of a spike, each (default {d.fault_rate})")
-    p.add_argument("--spike-ms", type=float, default=d.spike_s * 1e3, help="latency spike (default 2 ms)")
-    p.add_argument("--budget-experts", type=int, default=d.budget_experts,
+    p.add_argument("--spike-ms", type=_command.non_negative_float, default=d.spike_s * 1e3,
+                   help="latency spike (default 2 ms)")
+    p.add_argument("--budget-experts", type=_command.positive_int, default=d.budget_experts,
                    help=f"budget in experts (default {d.budget_experts}; at least tasks x group)")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--experts", type=int, default=d.experts, help="experts per layer")
+    p.add_argument("--layers", type=_command.positive_int, default=d.layers)
+    p.add_argument("--experts", type=_command.positive_int, default=d.experts, help="experts per layer")
     p.add_argument("--backend", default=d.backend)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--policy", default=d.policy, help=f"residency policy (default {d.policy})")

@@ -41,7 +41,7 @@ from iosched.topology import (
     suggest_queue_depth,
 )
 
-from . import _runner
+from . import _command, _runner
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,11 +52,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="checkpoint files or folders (default: the current folder)")
     p.add_argument("--probe", action="store_true",
                    help="measure each drive with bounded random O_DIRECT reads")
-    p.add_argument("--qd", type=int, default=DEFAULT_QUEUE_DEPTH,
+    p.add_argument("--qd", type=_command.positive_int, default=DEFAULT_QUEUE_DEPTH,
                    help=f"probe queue depth, and the most --write suggests (default {DEFAULT_QUEUE_DEPTH})")
     p.add_argument("--bs", default="1M", help="probe read size (default 1M)")
-    p.add_argument("--probe-mb", type=int, default=256, help="probe: at most this many MiB per drive (default 256)")
-    p.add_argument("--probe-seconds", type=float, default=3.0, help="probe: about this long per drive (default 3)")
+    p.add_argument("--probe-mb", type=_command.positive_int, default=256,
+                   help="probe: at most this many MiB per drive (default 256)")
+    p.add_argument("--probe-seconds", type=_command.positive_float, default=3.0,
+                   help="probe: about this long per drive (default 3)")
     p.add_argument("--write", default=None, metavar="FILE.toml",
                    help="write a topology: the first PATH is the primary, the others mirrors")
     p.add_argument("--discovery", default="auto", choices=("auto", "pyudev", "sysfs"),
