@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from iosched import backends
 from iosched.residency import make_policy
 
+from . import _outputs as _outputs_mod
 from . import _settings, _sizing
 from ._checkpoint import load_index
 from ._errors import BudgetError, StoreError
@@ -66,14 +68,62 @@ class StoreParts:
     token_budget_bytes: int | None
     telemetry: TokenTelemetry | None
     growth: BudgetGrowth | None
+    history: str | None = None
+    """``history=`` as a checked absolute path (``iosched/_outputs.py``)."""
+
+    def discard(self) -> None:
+        """Close what was opened, when no store will be built on these parts after all."""
+        if self.telemetry is not None:
+            self.telemetry.discard()
+        self.io.backend.close()
 
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+_BACKEND_MEMBERS = ("name", "caps", "open", "read", "alignment", "info", "close")
+"""What a backend object must have (``iosched.backends.Backend``); checked before it is used."""
+
+
+def _check_types(args: OpenArgs) -> None:
+    """Each argument of the right kind, or a :class:`StoreError` naming it."""
+    if not isinstance(args.source, (str, os.PathLike)):
+        raise StoreError(f"source must be a path (str or os.PathLike), got {args.source!r}")
+    be = args.backend
+    if not (be is None or isinstance(be, str) or all(hasattr(be, m) for m in _BACKEND_MEMBERS)):
+        raise StoreError(f"backend must be a backend's name ({', '.join(backends.NAMES)} or auto) or a "
+                         f"Backend object, got {be!r}")
+    if args.policy is not None and not isinstance(args.policy, str):
+        raise StoreError(f"policy must be a policy's name, got {args.policy!r}")
+    if not isinstance(args.routing, str):
+        raise StoreError(f"routing must be a name, got {args.routing!r}")
+    mirrors = args.mirrors
+    if isinstance(mirrors, (str, bytes, os.PathLike)) or not all(
+            isinstance(m, (str, os.PathLike)) for m in _iterable(mirrors, "mirrors")):
+        raise StoreError(f"mirrors must be a list of paths, got {mirrors!r}")
+    if args.weights is not None:
+        if not isinstance(args.weights, Mapping):
+            raise StoreError(f"weights must be a mapping of path to weight, got {args.weights!r}")
+        for root, weight in args.weights.items():
+            if (not isinstance(root, (str, os.PathLike)) or isinstance(weight, bool)
+                    or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0):
+                raise StoreError(f"weights: {root!r} -> {weight!r} is not a path and a finite weight >= 0")
+    for name in ("telemetry", "history"):
+        value = getattr(args, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise StoreError(f"{name} must be a file path, got {value!r}")
+
+
+def _iterable(value: object, name: str) -> list[object]:
+    if not isinstance(value, Iterable):
+        raise StoreError(f"{name} must be a list of paths, got {value!r}")
+    return list(value)
+
+
 def _check_arguments(args: OpenArgs) -> None:
     """Everything that can be refused before a file is read."""
+    _check_types(args)
     budget = args.budget_bytes
     if budget != "auto" and not _positive_int(budget):
         raise BudgetError(f'budget_bytes must be a positive integer or "auto", got {budget!r}')
@@ -181,25 +231,75 @@ async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) ->
             raise StoreError(f"weights: {root} is neither the source nor a mirror")
     # a Backend object: fault injection and throttling wrap a real backend this way
     be = backends.create(name) if args.backend is None or isinstance(args.backend, str) else args.backend
-    await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
-    weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
-    return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths,
-                    drives.stripe_threshold), reason
+    await _open_backend(be, [path for paths in replicas for path in paths])
+    try:
+        weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
+        return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths,
+                        drives.stripe_threshold), reason
+    except BaseException:
+        be.close()
+        raise
+
+
+async def _open_backend(be: backends.Backend, paths: list[str]) -> None:
+    """``be.open(paths)`` in a worker thread.  A cancelled ``to_thread`` does not stop its
+    thread: if the caller is cancelled (or the open fails) while the thread runs, the backend
+    is closed once the thread has finished, so no descriptor or ring outlives the cancel."""
+    task = asyncio.ensure_future(asyncio.to_thread(be.open, paths))
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        def close_once_opened(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                be.close()
+        if task.done():
+            close_once_opened(task)
+        else:
+            task.add_done_callback(close_once_opened)
+        raise
+
+
+def _outputs(args: OpenArgs, drives: _Layout) -> dict[str, str]:
+    """``telemetry=`` and ``history=`` as absolute paths, checked against the checkpoints'
+    folders before anything is opened (``iosched/_outputs.py``)."""
+    checkpoints = [os.fspath(drives.source), *(os.fspath(m) for m in drives.mirrors)]
+    out = {}
+    for name in ("telemetry", "history"):
+        value = getattr(args, name)
+        if value is not None:
+            out[name] = _outputs_mod.check_output_path(name, value, checkpoints)
+    if "telemetry" in out and out["telemetry"] == out.get("history"):
+        raise StoreError(f"telemetry and history name the same file {out['telemetry']}")
+    return out
 
 
 async def assemble(args: OpenArgs) -> StoreParts:
-    """Check ``args``, read the index, size the budget, open the read path."""
+    """Check ``args``, read the index, size the budget, open the read path; on any failure,
+    and on cancellation at any await, close whatever was opened before re-raising."""
     _check_arguments(args)
     drives = await _drives(args)
+    outputs = _outputs(args, drives)
     index = await asyncio.to_thread(load_index, drives.source)
+    for name, path in outputs.items():
+        _outputs_mod.check_not_a_checkpoint_file(name, path, index.files)
+    if "telemetry" in outputs:
+        _outputs_mod.check_telemetry_target(outputs["telemetry"], args.telemetry)
     if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
         index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
     budget = await _sized_budget(args, index)
     io, reason = await _read_path(args, drives, index)
-    sink = None if args.telemetry is None else await asyncio.to_thread(TokenTelemetry, args.telemetry)
-    k = index.experts_per_token
-    growth = None
-    if args.budget_bytes == "auto" and k is not None:
-        growth = BudgetGrowth(_sizing.token_cycle_bytes(index, k), budget, _sizing.whole_cycles(index, k))
+    sink: TokenTelemetry | None = None
+    try:
+        if "telemetry" in outputs:
+            sink = TokenTelemetry(outputs["telemetry"])  # one small open: no thread to outlive a cancel
+        k = index.experts_per_token
+        growth = None
+        if args.budget_bytes == "auto" and k is not None:
+            growth = BudgetGrowth(_sizing.token_cycle_bytes(index, k), budget, _sizing.whole_cycles(index, k))
+    except BaseException:
+        if sink is not None:
+            sink.discard()
+        io.backend.close()
+        raise
     return StoreParts(index, budget, io, reason, args.policy or str(_settings.get("policy")),
-                      args.token_budget_bytes, sink, growth)
+                      args.token_budget_bytes, sink, growth, outputs.get("history"))

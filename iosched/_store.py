@@ -18,8 +18,11 @@ or closed) and :class:`Room` (acquires waiting for bytes).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -119,6 +122,10 @@ class ExpertStore:
         self._telemetry = parts.telemetry
         self._usage: UsageHistory | None = None
         self._closers: list[Callable[[], None]] = []
+        self._closing: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        """The loop the store was opened on, and the only one it serves (``_check_loop``)."""
+        self._thread, self._thread_name = threading.get_ident(), threading.current_thread().name
         self._routing_rows = 0
         """Token rows of router output observed (``observe_routing``)."""
         self._tokens = 0
@@ -168,26 +175,40 @@ class ExpertStore:
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
         """
-        store = cls(await assemble(OpenArgs(
+        parts = await assemble(OpenArgs(
             source, budget_bytes, backend, policy, mirrors, routing=routing, weights=weights,
             queue_depth=queue_depth, token_budget_bytes=token_budget_bytes,
-            experts_per_token=experts_per_token, telemetry=telemetry, history=history)))
-        if history is not None:
+            experts_per_token=experts_per_token, telemetry=telemetry, history=history))
+        try:
+            store = cls(parts)
+        except BaseException:  # a policy that needs k, say: close what assemble opened
+            parts.discard()
+            raise
+        if parts.history is not None:
             try:
                 fallback = ", fallen back to lru" if store._described.policy_fallback else ""
-                store._usage = await UsageHistory.open(store._table.hooks.history, os.fspath(history),
+                store._usage = await UsageHistory.open(store._table.hooks.history, parts.history,
                                                        store._described.policy + fallback)
             except BaseException:
-                await store.close()
+                await store.close(discard_telemetry=True)
                 raise
         return store
 
-    async def close(self) -> None:
+    async def close(self, *, discard_telemetry: bool = False) -> None:
         """Wait for loads in flight, free every buffer, close the files (and write the
-        usage history, when ``history=`` named one).  Idempotent.  A history that cannot be
-        written is reported (raised) after everything else was closed."""
-        if self._lifecycle.closed:
+        usage history, when ``history=`` named one).  Idempotent, and it finishes even when
+        the task awaiting it is cancelled (the closing goes on, shielded).  A history that
+        cannot be written is reported (raised, to the first caller) after everything else
+        was closed."""
+        self._check_loop()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(discard_telemetry))
+            await asyncio.shield(self._closing)
             return
+        with contextlib.suppress(Exception):  # reported to the first caller already
+            await asyncio.shield(self._closing)
+
+    async def _close(self, discard_telemetry: bool) -> None:
         self._lifecycle.closed = True
         self._room.wake_all()
         await self._loader.drain()
@@ -199,8 +220,11 @@ class ExpertStore:
         except Exception as exc:  # reported once the rest is closed
             failure = exc
         if self._telemetry is not None:
-            self._telemetry.record(self.stats(), "close")
-            self._telemetry.close()
+            if discard_telemetry:  # the store never opened for the user: no file of this run
+                self._telemetry.discard()
+            else:
+                self._telemetry.record(self.stats(), "close")
+                self._telemetry.close()
         for closer in self._closers:
             closer()
         self._table.evict_all()
@@ -244,11 +268,13 @@ class ExpertStore:
 
     def acquire(self, key: ExpertKey) -> Lease:
         """``async with store.acquire((layer, expert)) as view``; see :class:`Lease`."""
+        self._check_loop()
         return Lease(self._acquirer, key)
 
     def acquire_many(self, keys: Iterable[ExpertKey]) -> LeaseGroup:
         """``async with store.acquire_many(keys) as views``: lease several experts at once,
         loading the missing ones concurrently; views come in the order of ``keys``."""
+        self._check_loop()
         return LeaseGroup(self._acquirer, keys)
 
     def prefetch(self, keys: Iterable[ExpertKey]) -> int:
@@ -256,6 +282,7 @@ class ExpertStore:
         without evicting a leased, pinned or loading expert, nor one the policy values more
         (its eviction guard, ``admit_prefetch``).  Never blocks; returns how many loads it
         started.  Unknown keys raise before any load starts."""
+        self._check_loop()
         self._lifecycle.check_open()
         return len(self._prefetcher.issue([self._acquirer.layout_of(key) for key in keys]))
 
@@ -265,6 +292,7 @@ class ExpertStore:
         no budget, no lease, no slab; it helps the buffered backends (``pread``, and ``mmap``'s
         pre-touch) and is skipped by the O_DIRECT ones, which never read the page cache.  Never
         blocks; returns how many hints it queued.  Unknown keys raise before any is queued."""
+        self._check_loop()
         self._lifecycle.check_open()
         return self._loader.hint([self._acquirer.layout_of(key) for key in keys])
 
@@ -278,6 +306,7 @@ class ExpertStore:
         learning is deferred to the policy's batch-end work); a policy without use for it
         (``lru``) ignores it.  Bad input raises a ``StoreError`` naming the layer or expert,
         and nothing is recorded."""
+        self._check_loop()
         self._lifecycle.check_open()
         rows = _routing.routing_rows(self._index, layer, experts)
         self._routing_rows += int(rows.shape[0])
@@ -289,6 +318,7 @@ class ExpertStore:
         """Marks the end of a turn (a request served): with ``budget="auto"`` the budget grows
         here by the whole token cycles whose measured benefit exceeds their measured cost
         (``iosched/_growth.py``).  Returns the budget in bytes (unchanged for an integer one)."""
+        self._check_loop()
         self._lifecycle.check_open()
         if self._growth is not None:
             self._growth.grow("end_turn")
@@ -297,6 +327,7 @@ class ExpertStore:
     def token_boundary(self) -> None:
         """Marks the start of the next token: the per-token prefetch byte budget starts over,
         and the telemetry file (if any) gets the line of the interval that ends here."""
+        self._check_loop()
         self._tokens += 1
         self._prefetcher.token_boundary()
         if self._telemetry is not None:
@@ -322,6 +353,21 @@ class ExpertStore:
             raise InvariantError("idle slabs exceed the budget's headroom")
 
     # ------------------------------------------------------------------ internals
+
+    def _check_loop(self) -> None:
+        """A store belongs to the event loop it was opened on: its futures, tasks and queues
+        are that loop's, and used from another thread or loop they would hang or corrupt the
+        bookkeeping.  So such a use is a :class:`StoreError` at once.  A synchronous call from
+        the loop's own thread while the loop is not running (between two ``run_until_complete``)
+        is the loop's too.  (``stats()`` and ``statistics()`` only read counters and may be
+        called from any thread, as the Prometheus exporter does.)"""
+        loop = asyncio._get_running_loop()  # None, not an exception, when none runs here
+        if loop is self._loop or (loop is None and threading.get_ident() == self._thread):
+            return
+        raise StoreError(f"the store over {self._index.root} belongs to the event loop it was opened on "
+                         f"(in thread {self._thread_name!r}); it was used from "
+                         f"{'another event loop' if loop is not None else 'no event loop'} in thread "
+                         f"{threading.current_thread().name!r}: open one store per loop")
 
     def _on_evict(self, entry: Entry) -> None:
         self._ledger.left(entry)

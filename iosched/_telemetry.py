@@ -17,12 +17,16 @@ from the store at scrape time, so the exporter adds nothing to the store's hot p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, Protocol
+
+from ._errors import StoreError
+from ._outputs import temporary_beside
 
 
 class MetricsSource(Protocol):
@@ -52,11 +56,21 @@ DEVICE_COUNTERS = ("reads", "bytes", "errors")
 
 
 class TokenTelemetry:
-    """Writes one JSON line per token interval to ``path`` (truncated on open)."""
+    """Writes one JSON line per token interval for ``path``: into a temporary file beside it
+    (``iosched/_outputs.py``), renamed to ``path`` when the store closes, so a file of that
+    name is only ever a complete run's.  ``path`` was checked by ``_outputs`` (outside the
+    checkpoint, absent or an iosched telemetry file)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._file: IO[str] | None = open(self.path, "w", encoding="utf-8", buffering=1 << 16)
+        self.writing = temporary_beside(self.path)
+        """Where the lines go until ``close()``."""
+        try:
+            self._file: IO[str] | None = open(self.writing, "x", encoding="utf-8", buffering=1 << 16)
+        except FileExistsError:  # a crashed run of this very process id left it: ours, replace it
+            self._file = open(self.writing, "w", encoding="utf-8", buffering=1 << 16)
+        except OSError as exc:
+            raise StoreError(f"telemetry={path}: cannot write {self.writing}: {exc.strerror or exc}") from None
         self._t0 = self._t_last = time.monotonic()
         self._prev: dict[str, Any] = {}
         self._interval = 0
@@ -100,9 +114,19 @@ class TokenTelemetry:
         return rec
 
     def close(self) -> None:
+        """Finish the file: the lines written move to ``path`` (replacing an earlier run's)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+            os.replace(self.writing, self.path)
+
+    def discard(self) -> None:
+        """Drop the file unfinished (the store failed to open): nothing lands at ``path``."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.writing)
 
 
 # ---------------------------------------------------------------------------- Prometheus

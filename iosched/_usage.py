@@ -42,6 +42,11 @@ class UsageHistory:
         return history
 
     async def save(self) -> None:
-        """Write what the run learned (with what was loaded), replacing the file atomically."""
+        """Write what the run learned (with what was loaded), replacing the file atomically;
+        a :class:`StoreError` naming the file when it cannot be written (its folder went
+        away, the disk is full)."""
         arrays = self._keeper.history()
-        await asyncio.to_thread(save_history_file, self.path, arrays)
+        try:
+            await asyncio.to_thread(save_history_file, self.path, arrays)
+        except OSError as exc:
+            raise StoreError(f"history={self.path}: cannot save the usage history: {exc.strerror or exc}") from None

@@ -43,15 +43,28 @@ def save(path: str | os.PathLike[str], arrays: Mapping[str, npt.NDArray[np.gener
     """Write ``arrays`` atomically (a temporary file in the same folder, then a rename)."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        fields = {name: value for name, value in arrays.items() if name != "format"}
-        np.savez(f, format=np.array(FORMAT), **fields)  # type: ignore[arg-type]
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            fields = {name: value for name, value in arrays.items() if name != "format"}
+            np.savez(f, format=np.array(FORMAT), **fields)  # type: ignore[arg-type]
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written temporary file helps nobody
+        raise
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, npt.NDArray[np.generic]]:
+    """The arrays of the history file ``path``; a :class:`StoreError` naming it when it is not
+    one (not an ``.npz`` archive of ours: a lone ``.npy`` array, another archive, garbage)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise StoreError(f"usage history {path}: not a readable history file ({exc})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise StoreError(f"usage history {path}: not a history file (a numpy {type(data).__name__}, "
+                         "not an .npz archive)")
+    try:
+        with data:
             arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError, EOFError) as exc:
         raise StoreError(f"usage history {path}: not a readable history file ({exc})") from None

@@ -61,13 +61,16 @@ async def test_token_lines_sum_to_stats(st_checkpoint: Path, tmp_path: Path) -> 
         async with store.acquire_many(keys):
             await asyncio.sleep(0)
         store.prefetch([(0, (token + 3) % EXPERTS)])
-    assert len(_lines(out)) == n  # written and flushed at each boundary, before close
+    # written and flushed at each boundary, before close, into the file beside the target that
+    # close() renames into place (no file of that name until the run is complete)
+    assert not out.exists() and len(_lines(Path(store._telemetry.writing))) == n  # type: ignore[union-attr]
     await _settle(store)  # let the last prefetch land: close() would wait for it
     final = store.stats()
     await store.close()
 
     lines = _lines(out)
     assert len(lines) == n + 1  # one per boundary, and the interval ending at close
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the temporary file was renamed
     assert [r["token"] for r in lines] == list(range(n + 1))
     assert [r["end"] for r in lines] == ["boundary"] * n + ["close"]
     assert lines[0]["requests"] == 0  # nothing happened before the first boundary
