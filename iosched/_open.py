@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from iosched import backends
 from iosched.residency import make_policy
 
-from . import _settings, _sizing
+from . import _settings, _sizing, _verify
 from ._checkpoint import load_index
 from ._errors import BudgetError, StoreError
 from ._growth import BudgetGrowth
@@ -52,6 +52,9 @@ class OpenArgs:
     experts_per_token: int | None = None
     telemetry: PathLike | None = None
     history: PathLike | None = None
+    verify: str | None = None
+    manifest: PathLike | None = None
+    verify_mirrors: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class StoreParts:
     token_budget_bytes: int | None
     telemetry: TokenTelemetry | None
     growth: BudgetGrowth | None
+    verification: _verify.Verification = _verify.Verification()
 
 
 def _positive_int(value: object) -> bool:
@@ -91,6 +95,7 @@ def _check_arguments(args: OpenArgs) -> None:
     if isinstance(args.backend, str) and args.backend != "auto":
         backends.resolve(args.backend)  # fail early, before the checkpoint is read
     make_policy(args.policy or str(_settings.get("policy")))  # likewise
+    _verify.check_arguments(args.verify, args.verify_mirrors)
 
 
 def _drive_names(paths: Sequence[str]) -> dict[str, str]:
@@ -166,15 +171,18 @@ async def _sized_budget(args: OpenArgs, index: CheckpointIndex) -> int:
     return budget
 
 
-async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) -> tuple[ReadPath, str | None]:
+async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex,
+                     verification: _verify.Verification) -> tuple[ReadPath, str | None, _verify.Verification]:
     """The backend (resolved, created and opened on every replica's files) behind its read
-    path, and why ``auto`` chose it."""
+    path, why ``auto`` chose it, and the verification (mirrors sampled before any file is
+    opened by the backend)."""
     reason: str | None = None
     name = ""
     if args.backend is None or isinstance(args.backend, str):
         name, reason = await asyncio.to_thread(backends.resolve, args.backend or str(_settings.get("backend")),
                                                index.files)
     replicas = await asyncio.to_thread(find_replicas, index, drives.mirrors)
+    verification = await asyncio.to_thread(verification.sample, index, replicas)
     roots = [index.root] + [os.path.abspath(os.fspath(m)) for m in drives.mirrors]
     for root in drives.weights or {}:
         if os.path.abspath(root) not in roots:
@@ -183,8 +191,9 @@ async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) ->
     be = backends.create(name) if args.backend is None or isinstance(args.backend, str) else args.backend
     await asyncio.to_thread(be.open, [path for paths in replicas for path in paths])
     weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
-    return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths,
-                    drives.stripe_threshold), reason
+    paths = [path for row in replicas for path in row]
+    return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths, drives.stripe_threshold,
+                    verification.verifier(paths)), reason, verification
 
 
 async def assemble(args: OpenArgs) -> StoreParts:
@@ -194,12 +203,14 @@ async def assemble(args: OpenArgs) -> StoreParts:
     index = await asyncio.to_thread(load_index, drives.source)
     if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
         index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
+    verification = await asyncio.to_thread(_verify.prepare, index, args.verify, args.manifest,
+                                           args.verify_mirrors)
     budget = await _sized_budget(args, index)
-    io, reason = await _read_path(args, drives, index)
+    io, reason, verification = await _read_path(args, drives, index, verification)
     sink = None if args.telemetry is None else await asyncio.to_thread(TokenTelemetry, args.telemetry)
     k = index.experts_per_token
     growth = None
     if args.budget_bytes == "auto" and k is not None:
         growth = BudgetGrowth(_sizing.token_cycle_bytes(index, k), budget, _sizing.whole_cycles(index, k))
     return StoreParts(index, budget, io, reason, args.policy or str(_settings.get("policy")),
-                      args.token_budget_bytes, sink, growth)
+                      args.token_budget_bytes, sink, growth, verification)

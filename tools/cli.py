@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, replay, replica_bench, soak, topology
+    from . import bench, manifest, replay, replica_bench, soak, topology
 
     bench.add_parser(sub)
+    manifest.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
