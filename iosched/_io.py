@@ -115,9 +115,11 @@ class ReadPath:
         """Read ``span`` of checkpoint file ``span.file`` into ``buf``, failing over between
         replicas; returns the count, at least ``span.head + span.need``, and whether the page
         cache served the read that succeeded.  A large O_DIRECT read of a file with several
-        healthy replicas is striped across them first (a drive read)."""
+        healthy replicas is striped across them first (a drive read).  With a verifier the
+        extent's bytes are checked against the manifest after each replica's read; a mismatch
+        fails that attempt like an I/O error does."""
         verifier, start = self.verifier, span.offset + span.head
-        extent = buf[span.head:span.head + span.need]
+        extent = buf if verifier is None else buf[span.head:span.head + span.need]  # the bytes hashed
         if self.striping and span.length >= self.stripe_threshold:
             got = await self._striped(key, span, buf, ticket)
             if got is not None:

@@ -332,11 +332,12 @@ def load_manifest(path: str | os.PathLike[str], index: CheckpointIndex) -> Manif
             key = (int(layer), int(expert))
             layout = index.experts.get(key)
             listed = [(files[int(f)], int(off), int(n)) for f, off, n, _ in extents]
-            if layout is None or listed != [(e.file, e.offset, e.length) for e in layout.extents]:
-                raise CheckpointError(f"manifest {where} is not of this checkpoint: expert {key!r} "
-                                      f"has other extents in {index.root}" if layout is not None else
-                                      f"manifest {where} is not of this checkpoint: it lists expert "
+            if layout is None:
+                raise CheckpointError(f"manifest {where} is not of this checkpoint: it lists expert "
                                       f"{key!r}, which {index.root} does not have")
+            if listed != [(e.file, e.offset, e.length) for e in layout.extents]:
+                raise CheckpointError(f"manifest {where} is not of this checkpoint: expert {key!r} "
+                                      f"has other extents in {index.root}")
             seen.add(key)
             for (file, offset, length), (*_, digest) in zip(listed, extents, strict=True):
                 checksums[(file, offset)] = (length, int(digest, 16))

@@ -55,9 +55,10 @@ MODES = ("off", "reads")
 """``verify=``: ``off`` (no check), ``reads`` (every read checked against the manifest)."""
 THREAD_BYTES = 4 << 20
 """Extents of at least this many bytes are hashed in a worker thread, smaller ones on the
-loop.  Measured here (``docs/benchmarks.md``, "Verified reads"): hashing 4 MiB inline takes
-66 µs, a ``to_thread`` round trip 55-78 µs of its own; at 16 MiB inline would hold the loop
-for 0.3 ms."""
+loop.  Measured (``iosched bench-verify``'s ``hash_placement_us``, docs/benchmarks.md,
+"Verified reads"): a ``to_thread`` round trip costs 35-65 µs over the hash itself; 4 MiB
+hashes in 66 µs on the loop, 16 MiB in 315 µs.  So below 4 MiB the loop is held no longer
+than a round trip would cost, and above it a load no longer holds up the hits of others."""
 SAMPLE_SEED = 0
 """The experts ``verify_mirrors`` samples: ``random.Random(SAMPLE_SEED).sample`` of the sorted
 keys, the same ones at every open of the same checkpoint."""

@@ -404,3 +404,42 @@ def test_gguf_single_file_manifest_beside_it(tmp_path: Path) -> None:
     path = write_gguf_moe(tmp_path / "m.gguf", n_layers=2, n_experts=4, hidden=HIDDEN, intermediate=INTER)
     summary = write_manifest(path)
     assert summary.manifest == f"{path}.{MANIFEST_NAME}" and summary.extents == 2 * 4 * 3
+
+
+@pytest.mark.asyncio
+async def test_verify_counters_in_telemetry(mirrored: tuple[Path, Path], tmp_path: Path) -> None:
+    primary, mirror = mirrored
+    write_manifest(primary)
+    index = load_index(primary)
+    corrupt(index, mirror, list(index.experts))
+    out = tmp_path / "telemetry.jsonl"
+    async with await ExpertStore.open(primary, budget_bytes=BUDGET, backend="pread", mirrors=[mirror],
+                                      verify="reads", policy="lru", telemetry=out) as store:
+        for layer in range(LAYERS):
+            store.token_boundary()
+            async with store.acquire_many([(layer, e) for e in range(EXPERTS)]):
+                pass
+        final = store.stats()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    for name in ("verified_bytes", "verify_mismatches", "verify_retries"):
+        assert sum(r[name] for r in lines) == final[name], name
+    assert sum(r["verify_s"] for r in lines) == pytest.approx(final["verify_s"], abs=1e-9)
+    assert final["verify_mismatches"] > 0 and lines[-1]["verify_bad_extents"] == final["verify_bad_extents"]
+
+
+def test_bench_verify_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from iosched.tools import verify_bench
+
+    # the command as it runs, on a small checkpoint (the real shapes write 72-256 MiB)
+    monkeypatch.setitem(verify_bench.SHAPES, "36K", (HIDDEN, INTER, 2, 8))
+    with override_settings(cache_dir=str(tmp_path)):
+        assert main(["bench-verify", "--sizes", "36K", "--backends", "pread,odirect", "--reps", "2", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert main(["bench-verify", "--sizes", "1G", "--json"]) == 2
+        assert "--sizes" in json.loads(capsys.readouterr().out)["error"]
+    rows = {(r["backend"], r["cache"]): r for r in out["rows"]}
+    assert set(rows) == {("pread", "cold"), ("pread", "warm"), ("odirect", "cold")}
+    for r in rows.values():
+        assert r["off_mbps"] > 0 and r["reads_mbps"] > 0 and len(r["off_runs"]) == len(r["reads_runs"]) == 2
+        assert r["verify_share"] > 0 and r["expert_bytes"] == 6 * HIDDEN * INTER
+    assert set(out["hash_gbps"]) == {"xxh3_128", "xxh3_64"} and len(out["hash_placement_us"]) == 4

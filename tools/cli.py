@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, manifest, replay, replica_bench, soak, topology
+    from . import bench, manifest, replay, replica_bench, soak, topology, verify_bench
 
     bench.add_parser(sub)
     manifest.add_parser(sub)
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
     topology.add_parser(sub)
+    verify_bench.add_parser(sub)
 
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
     hit.add_argument("--n", type=int, default=20000, help="acquires per repetition (default 20000)")

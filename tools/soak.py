@@ -14,7 +14,7 @@
    the call, while it waits for room or a read, or while the lease is held).  Every view
    received is hashed and compared to the expected checksum.
    With ``--verify`` the store checks every read against the checkpoint's manifest (written
-   into the cache folder on first use) and ``--corrupt-rate`` flips a byte in that fraction of
+   into the checkpoint's folder first) and ``--corrupt-rate`` flips a byte in that fraction of
    the mirror's reads: every one must be caught (a mismatch, then a read of the primary), or
    the byte check of step 4 counts wrong bytes.  Corruption without ``--verify`` is served, so
    such a run is a negative control: it is expected to fail.
@@ -51,8 +51,7 @@ from iosched import (
     ExpertStore,
     StoreError,
     backends,
-    default_manifest_path,
-    load_index,
+        load_index,
     write_manifest,
 )
 from iosched.backends.faults import FaultPlan, FaultyBackend
@@ -215,7 +214,7 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     config.check()
     primary, mirror = await asyncio.to_thread(soak_checkpoint, config.layers, config.experts)
     index = await asyncio.to_thread(load_index, primary)
-    if config.verify and not os.path.exists(default_manifest_path(index)):
+    if config.verify:  # written afresh each time (milliseconds here): never a stale one
         await asyncio.to_thread(write_manifest, primary)
     digests = await asyncio.to_thread(expected_digests, index)
     keys = sorted(index.experts)
