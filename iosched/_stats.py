@@ -246,7 +246,8 @@ class StoreStats:
     verify_bad_extents: int
     """``(replica, extent)`` pairs whose last read mismatched, tried last for that extent: a gauge."""
     verify_s: float
-    """Seconds spent hashing (on the loop or in worker threads)."""
+    """Seconds spent hashing, summed over the hashes (on the loop, or in worker threads for
+    large extents, where several overlap)."""
     mirror_samples: int
     """Extents of mirrors compared with the manifest or the primary at open (``verify_mirrors``)."""
 

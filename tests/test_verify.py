@@ -443,3 +443,47 @@ def test_bench_verify_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], m
         assert r["off_mbps"] > 0 and r["reads_mbps"] > 0 and len(r["off_runs"]) == len(r["reads_runs"]) == 2
         assert r["verify_share"] > 0 and r["expert_bytes"] == 6 * HIDDEN * INTER
     assert set(out["hash_gbps"]) == {"xxh3_128", "xxh3_64"} and len(out["hash_placement_us"]) == 4
+
+
+@pytest.mark.asyncio
+async def test_hashes_in_worker_threads(mirrored: tuple[Path, Path], backend: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from iosched import _verify
+
+    monkeypatch.setattr(_verify, "THREAD_BYTES", 1)  # every extent takes the large experts' path
+    primary, mirror = mirrored
+    write_manifest(primary)
+    index = load_index(primary)
+    corrupt(index, mirror, list(index.experts))
+    async with await ExpertStore.open(primary, budget_bytes=BUDGET, backend=backend, mirrors=[mirror],
+                                      verify="reads", policy="lru") as store:
+        async with store.acquire_many(sorted(index.experts)[:EXPERTS]) as views:  # concurrent loads
+            for view in views:
+                assert view.data.tobytes() == expected_bytes(index, view.key)
+        await read_all_exact(store)
+        s = store.stats()
+        assert s["verified_bytes"] == all_extent_bytes(index) and s["verify_mismatches"] > 0
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_threaded_hash_waits_for_its_thread() -> None:
+    import asyncio
+    import threading
+    import time
+
+    from iosched._verify import _in_thread
+
+    done = threading.Event()
+
+    def slow(data: memoryview) -> int:
+        time.sleep(0.05)  # the thread still reads the buffer when the caller is cancelled
+        value = xxhash.xxh3_128_intdigest(data)
+        done.set()
+        return value
+
+    task = asyncio.ensure_future(_in_thread(slow, memoryview(bytearray(1 << 20))))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done.is_set()  # the cancellation arrived only once the thread let go of the buffer
