@@ -10,6 +10,13 @@ goes wrong and how often; a seeded RNG makes every run reproducible.  The faults
 * **short read** (``short_rate``): the inner backend reads only the first half of the request
   (rounded down to the file's alignment) and that count is returned, exactly what a read that
   hits the end of a truncated file looks like to the core, which turns it into a ``ReadError``.
+* **corruption** (``corrupt_rate``): the inner read (or mapping) succeeds and one byte of what
+  it returned is flipped (XOR 0xFF), the byte in the middle of the bytes read: a bad cable, a
+  DMA or RAM error, a drive returning stale data.  The middle byte lies inside the requested
+  extent whenever the extent spans at least one alignment block (the reads the core pads for
+  O_DIRECT add less than a block on each side).  A read cannot be corrupted in place in a
+  read-only mapping, so a corrupted ``map`` returns a corrupted private copy of the bytes (the
+  inner mapping stays, unmapped as usual).  Only ``verify="reads"`` can catch it.
 * **latency spike** (``spike_rate``, ``spike_s``): an extra ``spike_s`` seconds before the read.
 * **hang** (``hang``): a drive that stops answering.  Reads wait, before the inner read is
   called (so no buffer is touched and the wait is an ordinary cancellable ``await``), until the
@@ -45,6 +52,7 @@ class Faults:
 
     eio_rate: float = 0.0
     short_rate: float = 0.0
+    corrupt_rate: float = 0.0
     spike_rate: float = 0.0
     spike_s: float = 0.02
     hang: bool = False
@@ -53,7 +61,7 @@ class Faults:
     the plan changes)."""
 
     def __post_init__(self) -> None:
-        for name in ("eio_rate", "short_rate", "spike_rate"):
+        for name in ("eio_rate", "short_rate", "spike_rate", "corrupt_rate"):
             rate = getattr(self, name)
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {rate!r}")
@@ -85,7 +93,7 @@ class FaultPlan:
         return {"seed": self.seed, "rules": {p: asdict(f) for p, f in self.rules.items()}}
 
 
-COUNTERS = ("reads", "eio", "short", "spike", "hang", "hang_timeouts")
+COUNTERS = ("reads", "eio", "short", "spike", "hang", "hang_timeouts", "corrupt")
 
 
 class FaultyBackend:
@@ -153,6 +161,15 @@ class FaultyBackend:
             return True
         return False
 
+    def _corrupts(self, file: int) -> bool:
+        """Whether the read that just succeeded is to be corrupted (the RNG is drawn only for
+        paths with a ``corrupt_rate``, so plans without one replay as before)."""
+        faults = self._by_file[file]
+        if faults is None or not faults.corrupt_rate or self._rng.random() >= faults.corrupt_rate:
+            return False
+        self.counts["corrupt"] += 1
+        return True
+
     async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         """The inner read (and what it says of the page cache), after the plan's faults."""
         if await self._before(file, offset, length):
@@ -161,7 +178,10 @@ class FaultyBackend:
             if half == 0:
                 return 0, False
             return await read_tiered(self.inner, file, offset, half, buf[:half])
-        return await read_tiered(self.inner, file, offset, length, buf)
+        got, cached = await read_tiered(self.inner, file, offset, length, buf)
+        if got > 0 and self._corrupts(file):
+            buf[got // 2] ^= 0xFF
+        return got, cached
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
@@ -172,7 +192,12 @@ class FaultyBackend:
         if await self._before(file, offset, length):
             raise ReadError(f"{self._paths[file]}: injected fault: the file ends before "
                             f"{offset + length} (short read)")
-        return await map_tiered(cast(ZeroCopyBackend, self.inner), file, offset, length)
+        view, cached = await map_tiered(cast(ZeroCopyBackend, self.inner), file, offset, length)
+        if length > 0 and self._corrupts(file):
+            copy = bytearray(view)
+            copy[length // 2] ^= 0xFF
+            view = memoryview(copy).toreadonly()
+        return view, cached
 
     async def map(self, file: int, offset: int, length: int) -> memoryview:
         return (await self.map_tiered(file, offset, length))[0]

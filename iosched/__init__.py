@@ -17,6 +17,7 @@ from ._errors import (
     BackendUnavailable,
     BudgetError,
     CheckpointError,
+    ChecksumError,
     InvariantError,
     ReadError,
     StoreClosed,
@@ -26,6 +27,7 @@ from ._errors import (
 from ._growth import GrowthDecision, GrowthStats, GrowthStep
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
 from ._lease import Lease, LeaseGroup
+from ._manifest import ManifestSummary, default_manifest_path, write_manifest
 from ._settings import override as override_settings
 from ._stats import DeviceStats, ReplicaStats, RequestTally, StoreStats, TierStats
 from ._store import ExpertStore
@@ -36,6 +38,7 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "CheckpointIndex",
+    "ChecksumError",
     "DeviceStats",
     "ExpertKey",
     "ExpertLayout",
@@ -48,6 +51,7 @@ __all__ = [
     "InvariantError",
     "Lease",
     "LeaseGroup",
+    "ManifestSummary",
     "ReadError",
     "ReplicaStats",
     "RequestTally",
@@ -57,8 +61,10 @@ __all__ = [
     "TensorSpec",
     "TierStats",
     "UnknownExpertError",
+    "default_manifest_path",
     "load_index",
     "override_settings",
+    "write_manifest",
 ]
 
 __version__ = "0.1.0"

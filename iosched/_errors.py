@@ -31,6 +31,11 @@ class ReadError(StoreError):
     """A read failed or came back short; the message names the file and the extent."""
 
 
+class ChecksumError(ReadError):
+    """With ``verify="reads"``: an extent's bytes matched the manifest on no replica; the
+    message names the file, the extent (offset, length) and both checksums."""
+
+
 class BackendUnavailable(StoreError):
     """The requested backend cannot run here; the message says why."""
 

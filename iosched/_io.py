@@ -8,9 +8,12 @@ For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, 
    per device and per replica (and ``migration_bytes``, the bytes of loads a prefetch started);
    the backend also says whether the page cache served the read (``backends.read_tiered``),
    which the caller gets back with the count;
-4. on an error or a short read (a truncated or removed replica) tries the next replica,
-   counting a retry, and a *failover* when another replica then serves it; only when every
-   replica failed does the error reach the store, naming the last file.
+4. with a :class:`~iosched._verify.Verifier` (``verify="reads"``), hashes the extent's bytes
+   and compares them with the manifest before returning: a mismatch is that replica's failed
+   read for this extent (``_verify.py`` says how it is counted and attributed);
+5. on an error, a short read (a truncated or removed replica) or a mismatch tries the next
+   replica, counting a retry, and a *failover* when another replica then serves it; only when
+   every replica failed does the error reach the store, naming the last file.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from typing import TypeVar, cast
 
 from iosched import backends
 
-from ._errors import InvariantError, ReadError, StoreError
+from ._errors import ChecksumError, InvariantError, ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
 from ._scheduler import HINT, DeviceQueue, Ticket
 from ._stats import DeviceCounters, ReplicaCounters
 from ._topology import DEFAULT_QUEUE_DEPTH, Discovery
+from ._verify import Verifier
 
 T = TypeVar("T")
 
@@ -51,12 +55,14 @@ class ReadPath:
         routing: str,
         queue_depth: int | Mapping[str, int],
         stripe_threshold: int = 4 << 20,
+        verifier: Verifier | None = None,
     ) -> None:
         """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
         was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
         j-th mirror's root, each path's replica root found by prefix; ``weights`` by root;
         ``queue_depth`` one for every drive, or by drive name (``DEFAULT_QUEUE_DEPTH`` for the
-        drives not named).  Drives are named as ``iosched topology`` names them."""
+        drives not named).  Drives are named as ``iosched topology`` names them.  ``verifier``:
+        every extent read is checked against its manifest (``None``: not checked)."""
         self.backend = backend
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
@@ -96,6 +102,7 @@ class ReadPath:
         self.stripes = 0
         self.stripe_redos = 0
         self.hints = 0
+        self.verifier = verifier
 
     def alignment(self, file: int) -> int:
         """The alignment reads of checkpoint file ``file`` need on every replica."""
@@ -108,11 +115,17 @@ class ReadPath:
         """Read ``span`` of checkpoint file ``span.file`` into ``buf``, failing over between
         replicas; returns the count, at least ``span.head + span.need``, and whether the page
         cache served the read that succeeded.  A large O_DIRECT read of a file with several
-        healthy replicas is striped across them first (a drive read)."""
+        healthy replicas is striped across them first (a drive read).  With a verifier the
+        extent's bytes are checked against the manifest after each replica's read; a mismatch
+        fails that attempt like an I/O error does."""
+        verifier, start = self.verifier, span.offset + span.head
+        extent = buf if verifier is None else buf[span.head:span.head + span.need]  # the bytes hashed
         if self.striping and span.length >= self.stripe_threshold:
             got = await self._striped(key, span, buf, ticket)
             if got is not None:
-                return got, False
+                if verifier is None or await verifier.matches(span.file, start, extent):
+                    return got, False
+                self.stripe_redos += 1  # which leg was wrong is unknown: read it whole, checked per replica
 
         async def attempt(replica: Replica) -> tuple[int, bool]:
             got, cached = await self._one(replica, span.offset, span.length, buf, ticket)
@@ -122,17 +135,20 @@ class ReadPath:
                     f"{span.offset + got}, before the extent's end at "
                     f"{span.offset + span.head + span.need}; was it truncated?"
                 )
+            if verifier is not None:
+                await verifier.check(key, replica.file, span.file, start, extent)
             return got, cached
 
-        return await self._failover(key, span.file, attempt)
+        return await self._failover(key, span.file, start, attempt)
 
     async def _striped(self, key: Hashable, span: Span, buf: memoryview, ticket: Ticket) -> int | None:
         """Split ``span`` into block-aligned legs, one per healthy replica, each as long as its
         drive's weight says, and read them at once.  ``None`` (the caller then reads the whole
         span from the routed replica) when there is one replica, or a leg failed or came back
         short: a stripe is all or nothing, so no half-read expert is ever assembled."""
-        now = self.router.clock()
-        legs_of = [r for r in self.router.order(key, span.file) if r.healthy(now)]
+        now, start = self.router.clock(), span.offset + span.head
+        legs_of = [r for r in self._order(key, span.file, start) if r.healthy(now)
+                   and not (self.verifier is not None and self.verifier.is_bad(r.file, start))]
         if len(legs_of) < 2:
             return None
         align = self._align[span.file]
@@ -174,22 +190,42 @@ class ReadPath:
         if zero_copy is None:
             raise InvariantError("map() on a backend that cannot map")
 
+        verifier = self.verifier
+
         async def attempt(replica: Replica) -> tuple[memoryview, int, bool]:
             async with self._slot(replica, ticket):
                 view, cached = await backends.map_tiered(zero_copy, replica.file, offset, length)
             self._count(replica, length, ticket)
+            if verifier is not None:
+                try:  # hashing the mapped bytes touches every page of them
+                    await verifier.check(key, replica.file, file, offset, view)
+                except BaseException:
+                    del view
+                    zero_copy.unmap(replica.file, offset, length)
+                    raise
             return view, replica.file, cached
 
-        return await self._failover(key, file, attempt)
+        return await self._failover(key, file, offset, attempt)
 
-    async def _failover(self, key: Hashable, file: int,
+    def _order(self, key: Hashable, file: int, offset: int) -> list[Replica]:
+        """The router's order for ``key``, with the replicas whose last read of the extent at
+        ``offset`` did not match the manifest moved last."""
+        order = self.router.order(key, file)
+        verifier = self.verifier
+        if verifier is None or not verifier.bad or len(order) == 1:
+            return order
+        return sorted(order, key=lambda r: verifier.is_bad(r.file, offset))  # stable
+
+    async def _failover(self, key: Hashable, file: int, offset: int,
                         attempt: Callable[[Replica], Awaitable[T]]) -> T:
         """``attempt`` on each replica of ``file`` in routing order until one succeeds;
-        the last replica's error when none does."""
+        the last replica's error when none does (``offset``: the extent's, for the order)."""
         last: StoreError | None = None
-        for tries, replica in enumerate(self.router.order(key, file)):
+        for tries, replica in enumerate(self._order(key, file, offset)):
             if tries:
                 self.retries += 1
+                if isinstance(last, ChecksumError) and self.verifier is not None:
+                    self.verifier.retries += 1
             try:
                 result = await attempt(replica)
             except StoreError as exc:

@@ -25,7 +25,9 @@ class MirrorError(StoreError):
     """A mirror is missing or does not match its primary; the message names the mirror's file."""
 
 
-def _header_ends(index: CheckpointIndex) -> list[int]:
+def header_ends(index: CheckpointIndex) -> list[int]:
+    """Per checkpoint file, where its header ends: its first expert byte (at most
+    :data:`HEADER_CAP`).  The bytes before it identify the file (the manifest hashes them)."""
     ends = [size for size in index.file_sizes]
     for layout in index.experts.values():
         for ext in layout.extents:
@@ -48,7 +50,7 @@ def find_replicas(index: CheckpointIndex, mirrors: Sequence[str | os.PathLike[st
     replicas = [[path] for path in index.files]
     if not mirrors:
         return replicas
-    ends = _header_ends(index)
+    ends = header_ends(index)
     root_is_file = os.path.isfile(index.root)
     for mirror in mirrors:
         mroot = os.path.abspath(os.fspath(mirror))

@@ -22,7 +22,7 @@ from iosched import backends
 from iosched.residency import make_policy
 
 from . import _outputs as _outputs_mod
-from . import _settings, _sizing
+from . import _settings, _sizing, _verify
 from ._checkpoint import load_index
 from ._errors import BudgetError, StoreError
 from ._growth import BudgetGrowth
@@ -54,6 +54,9 @@ class OpenArgs:
     experts_per_token: int | None = None
     telemetry: PathLike | None = None
     history: PathLike | None = None
+    verify: str | None = None
+    manifest: PathLike | None = None
+    verify_mirrors: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class StoreParts:
     token_budget_bytes: int | None
     telemetry: TokenTelemetry | None
     growth: BudgetGrowth | None
+    verification: _verify.Verification = _verify.Verification()
     history: str | None = None
     """``history=`` as a checked absolute path (``iosched/_outputs.py``)."""
 
@@ -141,6 +145,7 @@ def _check_arguments(args: OpenArgs) -> None:
     if isinstance(args.backend, str) and args.backend != "auto":
         backends.resolve(args.backend)  # fail early, before the checkpoint is read
     make_policy(args.policy or str(_settings.get("policy")))  # likewise
+    _verify.check_arguments(args.verify, args.verify_mirrors)
 
 
 def _drive_names(paths: Sequence[str]) -> dict[str, str]:
@@ -216,15 +221,18 @@ async def _sized_budget(args: OpenArgs, index: CheckpointIndex) -> int:
     return budget
 
 
-async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) -> tuple[ReadPath, str | None]:
+async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex,
+                     verification: _verify.Verification) -> tuple[ReadPath, str | None, _verify.Verification]:
     """The backend (resolved, created and opened on every replica's files) behind its read
-    path, and why ``auto`` chose it."""
+    path, why ``auto`` chose it, and the verification (mirrors sampled before any file is
+    opened by the backend)."""
     reason: str | None = None
     name = ""
     if args.backend is None or isinstance(args.backend, str):
         name, reason = await asyncio.to_thread(backends.resolve, args.backend or str(_settings.get("backend")),
                                                index.files)
     replicas = await asyncio.to_thread(find_replicas, index, drives.mirrors)
+    verification = await asyncio.to_thread(verification.sample, index, replicas)
     roots = [index.root] + [os.path.abspath(os.fspath(m)) for m in drives.mirrors]
     for root in drives.weights or {}:
         if os.path.abspath(root) not in roots:
@@ -234,8 +242,9 @@ async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex) ->
     await _open_backend(be, [path for paths in replicas for path in paths])
     try:
         weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
-        return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths,
-                        drives.stripe_threshold), reason
+        paths = [path for row in replicas for path in row]
+        return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths, drives.stripe_threshold,
+                        verification.verifier(paths)), reason, verification
     except BaseException:
         be.close()
         raise
@@ -286,8 +295,10 @@ async def assemble(args: OpenArgs) -> StoreParts:
         _outputs_mod.check_telemetry_target(outputs["telemetry"], args.telemetry)
     if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
         index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
+    verification = await asyncio.to_thread(_verify.prepare, index, args.verify, args.manifest,
+                                           args.verify_mirrors)
     budget = await _sized_budget(args, index)
-    io, reason = await _read_path(args, drives, index)
+    io, reason, verification = await _read_path(args, drives, index, verification)
     sink: TokenTelemetry | None = None
     try:
         if "telemetry" in outputs:
@@ -302,4 +313,4 @@ async def assemble(args: OpenArgs) -> StoreParts:
         io.backend.close()
         raise
     return StoreParts(index, budget, io, reason, args.policy or str(_settings.get("policy")),
-                      args.token_budget_bytes, sink, growth, outputs.get("history"))
+                      args.token_budget_bytes, sink, growth, verification, outputs.get("history"))

@@ -33,6 +33,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _width(text: str) -> int | str:
     if text == "k":
         return text
@@ -112,6 +119,20 @@ SETTINGS: dict[str, Setting] = {
             "cycle, so 2 is the smallest whole-cycle budget in which reuse from one token to the "
             "next fits under LRU, and the replays measure the steepest gain per cycle between 1 "
             "and 2 cycles (docs/residency.md).",
+        ),
+        Setting(
+            "verify", "IOSCHED_VERIFY", "off", _choice("off", "reads"),
+            "Verification used when `ExpertStore.open(verify=None)`: `reads` checks every read "
+            "against the checkpoint's manifest (`iosched manifest`), `off` checks nothing. `off` "
+            "by default: measured (`iosched bench-verify`, docs/benchmarks.md), the check costs "
+            "nothing measurable on drive reads, but up to a fifth of page-cache throughput at 16 "
+            "MiB experts and 22-45 % of `mmap`'s from 2.5 MiB up; and it needs a manifest.",
+        ),
+        Setting(
+            "verify_mirrors", "IOSCHED_VERIFY_MIRRORS", 0, _non_negative_int,
+            "Experts `ExpertStore.open(verify_mirrors=None)` samples on every mirror at open, "
+            "compared with the manifest (or the primary); a difference refuses the open. 0: none "
+            "(each sampled expert costs one read per mirror, and one of the primary without a manifest).",
         ),
         Setting(
             "loop", "IOSCHED_LOOP", "auto", _choice("auto", "uvloop", "asyncio"),

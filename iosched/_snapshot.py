@@ -24,6 +24,7 @@ from ._loads import Loader
 from ._prefetch import Prefetcher, PrefetchLedger
 from ._stats import StoreStats, TierStats, freeze
 from ._usage import UsageHistory
+from ._verify import Verification
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Described:
     backend_reason: str | None
     policy: str
     policy_fallback: str | None
+    verification: Verification
 
 
 def _loop_name() -> str:
@@ -54,6 +56,7 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
     pacer = prefetcher.pacer
     cycles = _sizing.cycle_stats(index, table.budget_bytes)
     td, budget_cycles = cycles["td_bytes"], cycles["budget_cycles"]
+    verification, verifier = described.verification, io.verifier
     return StoreStats(
         requests=counts.requests, hits=counts.hits, misses=counts.misses,
         single_flight_joins=counts.joins, bytes_read=io.bytes_read,
@@ -91,4 +94,12 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         experts_per_token=index.experts_per_token,
         td_bytes=None if td is None else int(td),
         budget_cycles=None if budget_cycles is None else float(budget_cycles),
+        verify=verification.mode,
+        manifest=None if verification.manifest is None else verification.manifest.path,
+        verified_bytes=0 if verifier is None else verifier.verified_bytes,
+        verify_mismatches=0 if verifier is None else verifier.mismatches,
+        verify_retries=0 if verifier is None else verifier.retries,
+        verify_bad_extents=0 if verifier is None else len(verifier.bad),
+        verify_s=0.0 if verifier is None else verifier.seconds,
+        mirror_samples=verification.mirror_samples,
     )

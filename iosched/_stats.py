@@ -232,6 +232,24 @@ class StoreStats:
     experts_per_token: int | None
     td_bytes: int | None
     budget_cycles: float | None
+    # -- verified bytes (``verify=``, iosched/_verify.py)
+    verify: str
+    """``"off"`` or ``"reads"``."""
+    manifest: str | None
+    """The manifest file loaded at open (``None``: none)."""
+    verified_bytes: int
+    """Extent bytes hashed and found equal to the manifest (read or mapped)."""
+    verify_mismatches: int
+    """Extent reads whose bytes differed from the manifest (each replica's counted)."""
+    verify_retries: int
+    """Extent reads redone after a mismatch (on another replica, or a stripe read whole)."""
+    verify_bad_extents: int
+    """``(replica, extent)`` pairs whose last read mismatched, tried last for that extent: a gauge."""
+    verify_s: float
+    """Seconds spent hashing, summed over the hashes (on the loop, or in worker threads for
+    large extents, where several overlap)."""
+    mirror_samples: int
+    """Extents of mirrors compared with the manifest or the primary at open (``verify_mirrors``)."""
 
 
 def as_dict(stats: StoreStats) -> dict[str, Any]:

@@ -100,7 +100,7 @@ class ExpertStore:
         index, io = parts.index, parts.io
         self._index, self._io = index, io
         policy, shape, fallback = _build_policy(parts.policy_name, index)
-        self._described = Described(parts.backend_reason, parts.policy_name, fallback)
+        self._described = Described(parts.backend_reason, parts.policy_name, fallback, parts.verification)
         self._table = table = ResidencyTable(
             parts.budget_bytes, policy, transient_bytes=_transient_bytes(policy, index, parts.budget_bytes),
             shape=shape)
@@ -148,6 +148,9 @@ class ExpertStore:
         experts_per_token: int | None = None,
         telemetry: str | os.PathLike[str] | None = None,
         history: str | os.PathLike[str] | None = None,
+        verify: str | None = None,
+        manifest: str | os.PathLike[str] | None = None,
+        verify_mirrors: int | None = None,
     ) -> ExpertStore:
         """Index ``source`` (a checkpoint folder or file, or a topology ``.toml`` naming one and
         its mirrors), open its files, return the store.
@@ -172,13 +175,25 @@ class ExpertStore:
         ``history``: the policy's usage-history file (``moe``/``default`` keep one): read at
         open when it exists, written at ``close()``.
 
+        ``verify``: ``"reads"`` checks every extent read (or mapped) against the checkpoint's
+        manifest before the expert is published; a mismatch is retried on another replica, and
+        on the last one is a :class:`ChecksumError` naming the file, the extent and both
+        checksums (``iosched/_verify.py``); ``"off"`` checks nothing; ``None`` takes the
+        ``verify`` setting (``off``).  ``manifest``: the manifest file (``iosched manifest``),
+        by default ``iosched.manifest.json`` in the checkpoint folder; one given is always
+        matched to the checkpoint (another checkpoint's is a :class:`CheckpointError`).
+        ``verify_mirrors``: at open, compare this many sampled experts of every mirror with the
+        manifest (or the primary, without one); a difference is a ``MirrorError`` (``None``:
+        the ``verify_mirrors`` setting, 0).
+
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
         """
         parts = await assemble(OpenArgs(
             source, budget_bytes, backend, policy, mirrors, routing=routing, weights=weights,
             queue_depth=queue_depth, token_budget_bytes=token_budget_bytes,
-            experts_per_token=experts_per_token, telemetry=telemetry, history=history))
+            experts_per_token=experts_per_token, telemetry=telemetry, history=history, verify=verify,
+            manifest=manifest, verify_mirrors=verify_mirrors))
         try:
             store = cls(parts)
         except BaseException:  # a policy that needs k, say: close what assemble opened

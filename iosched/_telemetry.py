@@ -42,13 +42,13 @@ COUNTERS = (
     "prefetch_issued", "prefetch_dropped", "prefetch_refused", "prefetch_refused_bytes",
     "prefetch_promoted", "hints", "hints_skipped", "retries", "failovers", "queue_waits",
     "stripes", "stripe_redos", "prefetch_used", "prefetch_wasted", "prefetch_failed",
-    "physical_misses", "migration_bytes",
+    "physical_misses", "migration_bytes", "verified_bytes", "verify_mismatches", "verify_retries",
 )
 """Monotonic integer counters of ``stats()``: each record holds their deltas."""
-SECONDS = ("felt_wait_s", "service_s")
+SECONDS = ("felt_wait_s", "service_s", "verify_s")
 """Monotonic float counters of ``stats()`` (seconds): deltas too."""
 GAUGES = ("resident_bytes", "resident_experts", "leased", "loading", "idle_slab_bytes", "budget_bytes",
-          "prefetch_unused")
+          "prefetch_unused", "verify_bad_extents")
 """Current values at the end of the interval, not deltas."""
 TIERS = ("resident", "page_cache", "drive")
 """Keys of ``hits_by_tier``: each a monotonic counter, so each record holds their deltas."""
@@ -152,6 +152,9 @@ _COUNTER_HELP = {
     "retries": "reads retried on another replica",
     "failovers": "reads another replica served after an error",
     "tokens": "token boundaries",
+    "verified_bytes": "extent bytes checked against the manifest and found equal",
+    "verify_mismatches": "extent reads whose bytes differed from the manifest",
+    "verify_retries": "extent reads redone after a checksum mismatch",
 }
 _GAUGE_HELP = {
     "resident_bytes": "bytes of resident and loading experts",
@@ -161,6 +164,7 @@ _GAUGE_HELP = {
     "loading": "experts loading now",
     "idle_slab_bytes": "idle slab bytes in the pool",
     "prefetch_unused": "prefetched experts not leased yet",
+    "verify_bad_extents": "(replica, extent) pairs whose last read did not match the manifest",
 }
 
 
@@ -184,6 +188,8 @@ class PrometheusExporter:
                                           "wall time some acquire was waiting", value=s["felt_wait_s"])
                 yield CounterMetricFamily("iosched_service_seconds",
                                           "read service time summed over loads", value=s["service_s"])
+                yield CounterMetricFamily("iosched_verify_seconds",
+                                          "time spent hashing reads to check them", value=s["verify_s"])
                 for name, help_ in _GAUGE_HELP.items():
                     yield GaugeMetricFamily(f"iosched_{name}", help_, value=s[name])
                 tiers = CounterMetricFamily("iosched_hits_by_tier",

@@ -70,3 +70,25 @@ def test_bad_options_are_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     with _settings.override(cache_dir=str(tmp_path)):
         assert main(["soak", "--json", "--tasks", "16", "--group", "4", "--budget-experts", "10"]) == 2
     assert "at least --tasks x --group" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_soak_with_verify_catches_every_corruption(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_soak(tmp_path, capsys, "--verify", "--corrupt-rate", "0.2")
+    assert out["ok"] is True and out["wrong_bytes"] == 0 and out["failed"] == 0
+    corrupted = out["faults_injected"]["corrupt"]
+    assert out["verify"] == "reads" and corrupted > 0
+    assert out["verify_mismatches"] == corrupted == out["verify_retries"]
+    assert out["verified_bytes"] > 0 and out["verify_s"] > 0
+    faults = out["faults_injected"]
+    assert faults["eio"] + faults["short"] + corrupted == out["per_replica"][out["mirror"]]["errors"]
+
+
+def test_corruption_without_verify_fails_the_soak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the negative control: the soak's own byte check sees what an unverified store serves
+    with _settings.override(cache_dir=str(tmp_path)), pytest.raises(SystemExit) as exit_:
+        main(["soak", "--json", "--acquires", "400", "--layers", "2", "--experts", "8",
+              "--tasks", "2", "--budget-experts", "8", "--fault-rate", "0", "--corrupt-rate", "0.5"])
+    assert exit_.value.code == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["wrong_bytes"] > 0 and out["verify"] == "off"
+    assert out["faults_injected"]["corrupt"] > 0

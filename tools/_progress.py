@@ -31,3 +31,22 @@ def run_progress(description: str, total: int, note: str | None = None) -> Itera
 
         yield on_run
         progress.update(task, completed=total)
+
+
+@contextlib.contextmanager
+def bytes_progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """Yields ``advance(n)``: call it as each ``n`` bytes are done (``total`` in all); the bar
+    shows bytes and the rate, and is completed when the block ends."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    err = Console(stderr=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as progress:
+        task = progress.add_task(description, total=total)
+
+        def advance(n: int) -> None:
+            progress.advance(task, n)
+
+        yield advance
+        progress.update(task, completed=total)

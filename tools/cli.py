@@ -45,14 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, contention, replay, replica_bench, soak, topology
+    from . import bench, contention, manifest, replay, replica_bench, soak, topology, verify_bench
 
     bench.add_parser(sub)
     contention.add_parser(sub)
+    manifest.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
     topology.add_parser(sub)
+    verify_bench.add_parser(sub)
 
     hit = sub.add_parser("hitpath", help="median cost of acquire on a resident expert, per event loop")
     hit.add_argument("--n", type=_command.positive_int, default=20000,

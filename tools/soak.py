@@ -13,6 +13,11 @@
    loop iteration, and cancel a ``--cancel-rate`` fraction of them at a random point (before
    the call, while it waits for room or a read, or while the lease is held).  Every view
    received is hashed and compared to the expected checksum.
+   With ``--verify`` the store checks every read against the checkpoint's manifest (written
+   into the checkpoint's folder first) and ``--corrupt-rate`` flips a byte in that fraction of
+   the mirror's reads: every one must be caught (a mismatch, then a read of the primary), or
+   the byte check of step 4 counts wrong bytes.  Corruption without ``--verify`` is served, so
+   such a run is a negative control: it is expected to fail.
 5. A sampler task checks ``resident_bytes <= budget_bytes`` on every event-loop iteration;
    every 256 operations a worker runs ``check_invariants()``.
 6. At the end, when the loads still in flight have finished: leases still held (leaked),
@@ -40,7 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from iosched import CheckpointIndex, ExpertKey, ExpertStore, StoreError, backends, load_index
+from iosched import (
+    CheckpointIndex,
+    ExpertKey,
+    ExpertStore,
+    StoreError,
+    backends,
+        load_index,
+    write_manifest,
+)
 from iosched.backends.faults import FaultPlan, FaultyBackend
 
 from . import _command, _runner
@@ -68,12 +81,18 @@ class SoakConfig:
     policy: str = "default"
     """The residency policy; the store is told k = ``group`` (the largest batch), so the
     default is the moe policy with its prefetches and their pacing, under the faults."""
+    verify: bool = False
+    """Open with ``verify="reads"`` (the manifest is written on first use)."""
+    corrupt_rate: float = 0.0
+    """Per mirror read: the chance that one byte of what it returned is flipped."""
 
     def check(self) -> None:
         if self.acquires <= 0 or self.tasks <= 0 or self.group <= 0 or self.layers <= 0 or self.experts <= 0:
             raise StoreError("--acquires, --tasks, --group, --layers and --experts must be positive")
-        if not 0 <= self.cancel_rate <= 1 or not 0 <= self.fault_rate <= 1 or self.spike_s < 0:
-            raise StoreError("--cancel-rate and --fault-rate must be in [0, 1], --spike-ms not negative")
+        if (not 0 <= self.cancel_rate <= 1 or not 0 <= self.fault_rate <= 1 or not 0 <= self.corrupt_rate <= 1
+                or self.spike_s < 0):
+            raise StoreError("--cancel-rate, --fault-rate and --corrupt-rate must be in [0, 1], "
+                             "--spike-ms not negative")
         if self.group > self.experts:
             raise StoreError("--group cannot exceed --experts")
         if self.budget_experts < self.tasks * self.group:
@@ -195,6 +214,8 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     config.check()
     primary, mirror = await asyncio.to_thread(soak_checkpoint, config.layers, config.experts)
     index = await asyncio.to_thread(load_index, primary)
+    if config.verify:  # written afresh each time (milliseconds here): never a stale one
+        await asyncio.to_thread(write_manifest, primary)
     digests = await asyncio.to_thread(expected_digests, index)
     keys = sorted(index.experts)
     layers: dict[int, list[ExpertKey]] = {}
@@ -206,7 +227,7 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     name, _ = await asyncio.to_thread(backends.resolve, config.backend, index.files)
     rate = config.fault_rate
     plan = FaultPlan.on(str(mirror), seed=config.seed, eio_rate=rate, short_rate=rate,
-                        spike_rate=rate, spike_s=config.spike_s)
+                        spike_rate=rate, spike_s=config.spike_s, corrupt_rate=config.corrupt_rate)
     faulty = FaultyBackend(backends.create(name), plan)
     c = _Counters()
     rss_baseline = _proc_status("VmRSS")
@@ -216,7 +237,8 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
     t_start = time.perf_counter()
 
     async with await ExpertStore.open(primary, budget_bytes=budget, backend=faulty, mirrors=[mirror],
-                                      policy=config.policy, experts_per_token=config.group) as store:
+                                      policy=config.policy, experts_per_token=config.group,
+                                      verify="reads" if config.verify else "off") as store:
         async def sampler() -> None:
             # the cheap gauges, not stats(): this runs at every await of the soak
             while not done.is_set():
@@ -328,7 +350,10 @@ async def run(config: SoakConfig, progress: Any = None) -> dict[str, Any]:
         "budget_samples": c.samples, "excursions": c.excursions,
         "leaked_leases": leaked, "invariant_violations": c.invariant_violations,
         "retries": s["retries"], "failovers": s["failovers"], "load_errors": s["load_errors"],
-        "faults_injected": {k: faults[k] for k in ("reads", "eio", "short", "spike")},
+        "faults_injected": {k: faults[k] for k in ("reads", "eio", "short", "spike", "corrupt")},
+        "verify": s["verify"], "verified_bytes": s["verified_bytes"],
+        "verify_mismatches": s["verify_mismatches"], "verify_retries": s["verify_retries"],
+        "verify_s": s["verify_s"],
         "per_replica": s["per_replica"],
         "hits": s["hits"], "misses": s["misses"], "single_flight_joins": s["single_flight_joins"],
         "requests": s["requests"],
@@ -365,6 +390,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--backend", default=d.backend)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--policy", default=d.policy, help=f"residency policy (default {d.policy})")
+    p.add_argument("--verify", action="store_true",
+                   help="check every read against the checkpoint's manifest (verify='reads')")
+    p.add_argument("--corrupt-rate", type=_command.fraction, default=d.corrupt_rate,
+                   help="per mirror read: chance that a byte of it is flipped (default 0; "
+                        "without --verify the wrong bytes are served and the soak fails)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd)
 
@@ -377,7 +407,7 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
         acquires=args.acquires, tasks=args.tasks, group=args.group, cancel_rate=args.cancel_rate,
         fault_rate=args.fault_rate, spike_s=args.spike_ms / 1e3, budget_experts=args.budget_experts,
         backend=args.backend, seed=args.seed, layers=args.layers, experts=args.experts,
-        policy=args.policy,
+        policy=args.policy, verify=args.verify, corrupt_rate=args.corrupt_rate,
     )
     config.check()
     err = Console(stderr=True)
@@ -399,6 +429,8 @@ def cmd(args: argparse.Namespace) -> dict[str, Any]:
             ("budget excursions", f"{out['excursions']} in {out['budget_samples']} samples"),
             ("leaked leases", str(out["leaked_leases"])),
             ("retries / failovers", f"{out['retries']} / {out['failovers']}"),
+            ("verify: bytes / mismatches / retries",
+             f"{out['verify']}: {out['verified_bytes']} / {out['verify_mismatches']} / {out['verify_retries']}"),
             ("faults injected", ", ".join(f"{k} {v}" for k, v in out["faults_injected"].items())),
             ("acquire latency p50 / p99", f"{out['latency_p50_ms']:.3f} / {out['latency_p99_ms']:.3f} ms"),
             ("budget / peak resident", f"{out['budget_bytes'] / mib:.1f} / {out['peak_resident_bytes'] / mib:.1f} MiB"),
