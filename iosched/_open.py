@@ -193,6 +193,9 @@ async def assemble(args: OpenArgs) -> StoreParts:
     drives = await _drives(args)
     index = await asyncio.to_thread(load_index, drives.source)
     if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
+        if args.experts_per_token > index.experts_per_layer():  # as config.json's k is checked
+            raise BudgetError(f"experts_per_token={args.experts_per_token} is more than the "
+                              f"{index.experts_per_layer()} experts of each layer of {index.root}")
         index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
     budget = await _sized_budget(args, index)
     io, reason = await _read_path(args, drives, index)
