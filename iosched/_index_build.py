@@ -84,6 +84,8 @@ def parse_id(digits: str, kind: str, path: object, tensor: str) -> int:
     name; a :class:`CheckpointError` naming ``path`` and the tensor when it is not below
     :data:`MAX_LAYERS` / :data:`MAX_EXPERTS_PER_LAYER`. The length is checked before ``int``
     runs, so a name with thousands of digits costs nothing (and raises no ``ValueError``)."""
+    if len(digits) < 5 and digits.isascii() and digits.isdigit():  # below 10**4: every real id
+        return int(digits)
     limit = MAX_LAYERS if kind == "layer" else MAX_EXPERTS_PER_LAYER
     if not digits.isascii() or not digits.isdigit():
         raise CheckpointError(f"{path}: tensor {quote(tensor)}: {kind} id is not a decimal number")

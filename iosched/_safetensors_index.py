@@ -143,6 +143,7 @@ def index_folder(folder: Path) -> list[RawExpertTensor]:
     raws: list[RawExpertTensor] = []
     where: dict[str, Path] = {}
     for shard in (folder / name for name in names if name.endswith(".safetensors")):
+        abspath = os.path.abspath(shard)
         for entry in read_header(shard):
             first = where.setdefault(entry.name, shard)
             if first != shard:
@@ -150,7 +151,7 @@ def index_folder(folder: Path) -> list[RawExpertTensor]:
                     f"tensor {quote(entry.name)} is in both {first} and {shard}; add a "
                     f"{INDEX_JSON} to say which one counts"
                 )
-            raw = _expert_tensor(shard, entry)
+            raw = _expert_tensor(shard, entry, abspath)
             if raw is not None:
                 raws.append(raw)
         check_tensor_count(len(raws), folder)
@@ -163,13 +164,13 @@ def config_counts(folder: Path) -> tuple[tuple[int | None, str], tuple[int | Non
     (:data:`EXPERT_COUNT_KEYS`), each with the file and key it came from (for messages).
 
     Looks at the top level, then at ``text_config`` (multimodal MoE configs nest the language
-    model's there). ``(None, "")`` for a number the file does not state (no ``config.json``, no
-    such key, or ``null``); a file over :data:`~iosched._untrusted.MAX_CONFIG_JSON_BYTES`, one
+    model's there). ``(None, "")`` for a number the file does not state (no ``config.json``, or
+    no such key); a file over :data:`~iosched._untrusted.MAX_CONFIG_JSON_BYTES`, one
     that is not a JSON object, or a key whose value is not a positive integer, is a
     :class:`CheckpointError` naming the file and the key.
     """
     path = folder / CONFIG_JSON
-    if not os.path.exists(path):
+    if not os.path.isfile(path):  # as before: a folder, a FIFO or a broken link is no config
         return (None, ""), (None, "")
     doc = parse_json(read_capped(path, MAX_CONFIG_JSON_BYTES, "config.json"), path, "malformed config.json")
     if not isinstance(doc, dict):
@@ -196,9 +197,9 @@ def _config_number(
     """The first of ``keys`` found in ``scopes``, checked to be a positive integer."""
     for prefix, scope in scopes:
         for key in keys:
-            value = scope.get(key)
-            if value is None:
+            if key not in scope:
                 continue
+            value = scope[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointError(
                     f"{path}: malformed config.json: key {prefix + key!r} is {quote(value)}, "
@@ -210,7 +211,8 @@ def _config_number(
 
 def index_file(path: Path) -> list[RawExpertTensor]:
     """Expert tensors of a single ``.safetensors`` file."""
-    raws = (_expert_tensor(path, entry) for entry in read_header(path))
+    abspath = os.path.abspath(path)
+    raws = (_expert_tensor(path, entry, abspath) for entry in read_header(path))
     return [r for r in raws if r is not None]
 
 
@@ -310,8 +312,9 @@ def _is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _expert_tensor(path: Path, entry: HeaderEntry) -> RawExpertTensor | None:
-    """The entry as an expert tensor, or ``None`` for a non-expert tensor."""
+def _expert_tensor(path: Path, entry: HeaderEntry, abspath: str = "") -> RawExpertTensor | None:
+    """The entry as an expert tensor, or ``None`` for a non-expert tensor (``abspath``:
+    ``os.path.abspath(path)``, when the caller has it)."""
     m = _EXPERT_RE.fullmatch(entry.name)
     if m is None:
         return None
@@ -330,7 +333,7 @@ def _expert_tensor(path: Path, entry: HeaderEntry) -> RawExpertTensor | None:
         source_name=entry.name,
         dtype=dtype,
         shape=entry.shape,
-        path=os.path.abspath(path),
+        path=abspath or os.path.abspath(path),
         offset=entry.offset,
         nbytes=entry.nbytes,
     )
@@ -344,11 +347,14 @@ def _index_with_weight_map(folder: Path, index_json: Path) -> list[RawExpertTens
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise CheckpointError(f"{index_json}: no 'weight_map' object of tensor name -> shard file")
-    for tensor, shard_name in weight_map.items():  # every name first: nothing outside is opened
+    first_entry: dict[str, str] = {}  # shard name -> the first tensor naming it (for the message)
+    for tensor, shard_name in weight_map.items():
+        first_entry.setdefault(shard_name, tensor)
+    for shard_name, tensor in first_entry.items():  # every name first: nothing outside is opened
         confined_name(shard_name, index_json, tensor)
 
     headers: dict[str, dict[str, HeaderEntry]] = {}
-    for shard_name in sorted(set(weight_map.values())):
+    for shard_name in sorted(first_entry):
         shard = folder / shard_name
         try:
             os.stat(shard)  # follows links: a broken one is missing too
@@ -362,6 +368,7 @@ def _index_with_weight_map(folder: Path, index_json: Path) -> list[RawExpertTens
             ) from None
         headers[shard_name] = {e.name: e for e in read_header(shard)}
 
+    shards = {name: (folder / name, os.path.abspath(folder / name)) for name in headers}
     raws: list[RawExpertTensor] = []
     for tensor, shard_name in weight_map.items():
         entry = headers[shard_name].get(tensor)
@@ -370,7 +377,8 @@ def _index_with_weight_map(folder: Path, index_json: Path) -> list[RawExpertTens
                 f"tensor {quote(tensor)} is listed in {index_json} as being in {quote(shard_name)}, "
                 f"but {folder / shard_name} has no such tensor"
             )
-        raw = _expert_tensor(folder / shard_name, entry)
+        shard, abspath = shards[shard_name]
+        raw = _expert_tensor(shard, entry, abspath)
         if raw is not None:
             raws.append(raw)
     check_tensor_count(len(raws), index_json)
