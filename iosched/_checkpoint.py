@@ -13,12 +13,14 @@ It is synchronous on purpose: the store runs it once, in a worker thread
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from iosched import _gguf_index, _safetensors_index
 from iosched._errors import CheckpointError
 from iosched._index_build import build_index
 from iosched._layout import CheckpointIndex
+from iosched._untrusted import list_folder
 
 __all__ = ["load_index"]
 
@@ -35,18 +37,25 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
 
     ``experts_per_token`` (k) comes from the folder's ``config.json`` (safetensors folders
     only: a lone ``.safetensors`` file may be one shard of anything) or from the GGUF key
-    ``{arch}.expert_used_count``; it is ``None`` when the checkpoint does not say.
+    ``{arch}.expert_used_count``; it is ``None`` when the checkpoint does not say. The experts
+    per layer that ``config.json`` or ``{arch}.expert_count`` states, if any, must be what the
+    tensors hold.
 
-    Raises :class:`CheckpointError` when the path is none of these, a file is missing or
-    malformed, or no expert tensor is found.
+    Every file is read as untrusted input (:mod:`iosched._untrusted`, docs/reliability.md
+    "Hostile checkpoint files"). Raises :class:`CheckpointError` when the path is none of
+    these, cannot be read, a file is missing or malformed, or no expert tensor is found.
     """
     path = Path(os.fspath(source))
     root = os.path.abspath(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.is_dir():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot look at checkpoint {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
         return _load_folder(path, root)
-    if path.is_file():
+    if stat.S_ISREG(st.st_mode):
         if path.suffix == ".safetensors":
             return build_index("safetensors", root, _safetensors_index.index_file(path))
         if path.suffix == ".gguf":
@@ -57,25 +66,26 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
 
 
 def _build_gguf(path: Path, root: str) -> CheckpointIndex:
-    raws, k = _gguf_index.read_gguf(path)
-    return build_index("gguf", root, raws, k, f"{path} key '{{arch}}.expert_used_count'")
+    found = _gguf_index.read_gguf(path)
+    return build_index("gguf", root, found.raws, found.experts_per_token, found.k_source,
+                       found.expert_count, found.e_source)
 
 
 def _load_folder(folder: Path, root: str) -> CheckpointIndex:
-    has_safetensors = _safetensors_index.find_index_json(folder) is not None or any(
-        p.is_file() for p in folder.glob("*.safetensors")
+    names = list_folder(folder)
+    has_safetensors = _safetensors_index.find_index_json(folder, names) is not None or any(
+        name.endswith(".safetensors") for name in names
     )
     if has_safetensors:
-        k, k_source = _safetensors_index.experts_per_token_from_config(folder)
+        (k, k_source), (n_experts, e_source) = _safetensors_index.config_counts(folder)
         raws = _safetensors_index.index_folder(folder)
-        return build_index("safetensors", root, raws, k, k_source)
-    ggufs = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+        return build_index("safetensors", root, raws, k, k_source, n_experts, e_source)
+    ggufs = [name for name in names if name.endswith(".gguf")]
     if len(ggufs) == 1:
-        return _build_gguf(ggufs[0], root)
+        return _build_gguf(folder / ggufs[0], root)
     if len(ggufs) > 1:
-        names = ", ".join(p.name for p in ggufs)
         raise CheckpointError(
-            f"checkpoint folder {folder} holds {len(ggufs)} .gguf files ({names}); "
+            f"checkpoint folder {folder} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
             "pass the one to use"
         )
     raise CheckpointError(

@@ -1,12 +1,23 @@
 """Turning a flat list of expert tensors into a validated :class:`CheckpointIndex`.
 
 The format readers (``_safetensors_index``, ``_gguf_index``) only know where each expert
-tensor sits in its file; everything that is the same for every format lives here:
+tensor sits in its file; everything that is the same for every format lives here, so a new
+layout gets every check by calling :func:`build_index` (and :func:`parse_id`,
+:func:`check_tensor_count` while it reads):
 
 * bounds: every tensor must lie inside its file, because the store reads the byte range
   blindly and a short read would only surface much later, as a ``ReadError``;
 * overlaps: two expert tensors sharing bytes mean a corrupt header, never a valid layout;
+* sizes: an expert tensor holds at least one byte (a zero-byte one is malformed: it would let
+  a header claim any number of experts for free);
 * one tensor per (expert, canonical name), so an engine can look tensors up by role;
+* the expert grid: the experts of every MoE layer are exactly ``0..E-1``, the same ``E`` in
+  every layer, at most :data:`MAX_EXPERTS_PER_LAYER`, and equal to the expert count the
+  metadata states (``config.json``, GGUF ``{arch}.expert_count``) when it states one; so the
+  per-layer arrays a policy builds (sized by the largest id + 1) are sized by experts that
+  exist, never by an id a header claims;
+* counts: at most :data:`MAX_EXPERT_TENSORS` expert tensors, and ids below
+  :data:`MAX_LAYERS` / :data:`MAX_EXPERTS_PER_LAYER` (checked on the digits, before ``int``);
 * coalescing: byte-adjacent tensors of one file become one :class:`Extent`, that is one
   read request, which is what makes a whole expert a single large read on disk.
 
@@ -25,6 +36,7 @@ import numpy as np
 
 from iosched._errors import CheckpointError
 from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
+from iosched._untrusted import quote
 
 EXPECTED_NAMES = (
     "model.layers.{L}.mlp.experts.{E}.{gate_proj,up_proj,down_proj}.weight, "
@@ -32,6 +44,18 @@ EXPECTED_NAMES = (
     "blk.{L}.ffn_{gate,up,down}_exps.weight (GGUF)"
 )
 """Shown when a checkpoint holds no expert tensor at all."""
+
+MAX_LAYERS = 16384
+"""Layer ids run below this: 2**14, over 100x the deepest released model (Llama 3.1 405B, 126
+layers; the deepest MoE, Qwen3-235B-A22B, has 94)."""
+MAX_EXPERTS_PER_LAYER = 16384
+"""Experts per MoE layer, at most: 2**14, 32x the most of any released MoE (Qwen3-Next-80B-A3B,
+512; Kimi K2 has 384, DeepSeek-V3 256). It bounds what a header can claim for one layer (a GGUF
+merged tensor's expert axis) and the per-layer arrays of the policies."""
+MAX_EXPERT_TENSORS = 1 << 20
+"""Expert tensors in one checkpoint, at most: 2**20, 5x the most of any released checkpoint
+(Kimi K2 Thinking in INT4: 60 MoE layers x 384 experts x 3 projections x 3 tensors = 207,360).
+Each costs about a kilobyte of index, so this caps the index near 1 GB whatever the files claim."""
 
 
 @dataclass(frozen=True)
@@ -55,71 +79,129 @@ class RawExpertTensor:
     nbytes: int
 
 
+def parse_id(digits: str, kind: str, path: object, tensor: str) -> int:
+    """The layer (``kind="layer"``) or expert id spelt by the ASCII ``digits`` of a tensor
+    name; a :class:`CheckpointError` naming ``path`` and the tensor when it is not below
+    :data:`MAX_LAYERS` / :data:`MAX_EXPERTS_PER_LAYER`. The length is checked before ``int``
+    runs, so a name with thousands of digits costs nothing (and raises no ``ValueError``)."""
+    if len(digits) < 5 and digits.isascii() and digits.isdigit():  # below 10**4: every real id
+        return int(digits)
+    limit = MAX_LAYERS if kind == "layer" else MAX_EXPERTS_PER_LAYER
+    if not digits.isascii() or not digits.isdigit():
+        raise CheckpointError(f"{path}: tensor {quote(tensor)}: {kind} id is not a decimal number")
+    if len(digits) > len(str(limit)) or int(digits) >= limit:
+        raise CheckpointError(
+            f"{path}: tensor {quote(tensor)}: {kind} id {quote(digits)} is out of range "
+            f"(at most {limit - 1})")
+    return int(digits)
+
+
+def check_tensor_count(count: int, where: object) -> None:
+    """Raise once a reader has found more than :data:`MAX_EXPERT_TENSORS` expert tensors
+    (called as it goes, so a hostile checkpoint is refused before it costs the memory)."""
+    if count > MAX_EXPERT_TENSORS:
+        raise CheckpointError(
+            f"{where}: more than {MAX_EXPERT_TENSORS} expert tensors; no real checkpoint has this many")
+
+
 def build_index(
     fmt: str,
     root: str,
     raws: Iterable[RawExpertTensor],
     experts_per_token: int | None = None,
     k_source: str = "",
+    n_experts: int | None = None,
+    e_source: str = "",
 ) -> CheckpointIndex:
     """Validate ``raws`` and lay them out per expert.
 
     ``experts_per_token`` is k as the checkpoint's metadata states it (``k_source`` names the
-    file and key, for the error): more than the experts of the largest layer is a
+    file and key, for the error): more than the experts per layer is a
     :class:`CheckpointError`, since a token cannot be routed to more experts than there are.
+    ``n_experts`` is the experts per layer the metadata states (``e_source`` likewise): the
+    checkpoint's layers must hold exactly that many.
 
     ``files`` holds only the files with at least one expert tensor, in sorted order, so
     file indices are stable for a given checkpoint. Raises :class:`CheckpointError` on an
-    empty list, a tensor past the end of its file, overlapping tensors, or two tensors of one
-    expert with the same canonical name.
+    empty list, a tensor past the end of its file or of no bytes, overlapping tensors, two
+    tensors of one expert with the same canonical name, or an expert grid that is not
+    ``0..E-1`` in every layer (module docstring).
     """
     raws = list(raws)
     if not raws:
         raise CheckpointError(f"no expert tensors found in {root}; expected names like {EXPECTED_NAMES}")
-
+    check_tensor_count(len(raws), root)
     files = tuple(sorted({r.path for r in raws}))
     file_index = {path: i for i, path in enumerate(files)}
     file_sizes = tuple(_file_size(path) for path in files)
-
-    ranges_by_file: dict[str, list[tuple[int, int, str]]] = {path: [] for path in files}
-    for r in raws:
-        check_in_file(r.path, file_sizes[file_index[r.path]], r.source_name, r.offset, r.nbytes)
-        ranges_by_file[r.path].append((r.offset, r.nbytes, r.source_name))
-    for path, ranges in ranges_by_file.items():
-        check_no_overlap(path, ranges)
+    _check_bytes(raws, file_sizes, file_index)
 
     by_key: dict[ExpertKey, list[RawExpertTensor]] = {}
     for r in raws:
         by_key.setdefault((r.layer, r.expert), []).append(r)
-
-    experts: dict[ExpertKey, ExpertLayout] = {}
-    for key in sorted(by_key):
-        experts[key] = _layout_expert(key, by_key[key], file_index)
-    if experts_per_token is not None:
-        per_layer: dict[int, int] = {}
-        for layer, _ in experts:
-            per_layer[layer] = per_layer.get(layer, 0) + 1
-        most = max(per_layer.values())
-        if experts_per_token > most:
-            raise CheckpointError(
-                f"{k_source or root}: experts per token is {experts_per_token}, but no layer "
-                f"of the checkpoint has more than {most} experts"
-            )
+    per_layer = check_expert_grid(by_key, root, n_experts, e_source)
+    if experts_per_token is not None and experts_per_token > per_layer:
+        raise CheckpointError(
+            f"{k_source or root}: experts per token is {experts_per_token}, more than {per_layer} "
+            "experts, the number in each layer of the checkpoint")
+    experts = {key: _layout_expert(key, by_key[key], file_index) for key in sorted(by_key)}
     return CheckpointIndex(
         format=fmt, root=root, files=files, file_sizes=file_sizes, experts=experts,
         experts_per_token=experts_per_token,
     )
 
 
+def _check_bytes(raws: list[RawExpertTensor], file_sizes: tuple[int, ...], file_index: dict[str, int]) -> None:
+    """Every tensor holds bytes, inside its file, sharing none with another."""
+    ranges_by_file: dict[str, list[tuple[int, int, str]]] = {path: [] for path in file_index}
+    for r in raws:
+        if r.nbytes <= 0:
+            raise CheckpointError(
+                f"{r.path}: expert tensor {quote(r.source_name)} holds no bytes (shape {quote(r.shape)}); "
+                "a zero-size expert tensor is malformed")
+        check_in_file(r.path, file_sizes[file_index[r.path]], r.source_name, r.offset, r.nbytes)
+        ranges_by_file[r.path].append((r.offset, r.nbytes, r.source_name))
+    for path, ranges in ranges_by_file.items():
+        check_no_overlap(path, ranges)
+
+
+def check_expert_grid(
+    by_key: dict[ExpertKey, list[RawExpertTensor]], root: str, n_experts: int | None, e_source: str
+) -> int:
+    """E, the experts per layer, after checking that every layer holds exactly experts
+    ``0..E-1``, the same E everywhere, and E equals ``n_experts`` when the metadata states it
+    (``e_source``). The message names the layer and a file holding its tensors."""
+    ids: dict[int, list[int]] = {}
+    for layer, expert in by_key:
+        ids.setdefault(layer, []).append(expert)
+    first_layer = min(ids)
+    expected = len(ids[first_layer]) if n_experts is None else n_experts
+    for layer in sorted(ids):
+        present = sorted(ids[layer])
+        where = by_key[(layer, present[-1])][0].path
+        if present[-1] != len(present) - 1:
+            missing = next(i for i, e in enumerate(present) if i != e)
+            raise CheckpointError(
+                f"{root}: layer {layer} has {len(present)} experts, ids up to {present[-1]} (in {where}), "
+                f"but no expert {missing}; the experts of a layer must be 0..E-1 without holes")
+        if len(present) != expected:
+            said = (f"{e_source} says {n_experts}" if n_experts is not None
+                    else f"layer {first_layer} has {expected}")
+            raise CheckpointError(
+                f"{root}: layer {layer} has {len(present)} experts (in {where}), but {said}; "
+                "every MoE layer must hold the same experts 0..E-1")
+    return expected
+
+
 def check_in_file(path: str, file_size: int, tensor: str, offset: int, nbytes: int) -> None:
     """Raise unless ``[offset, offset + nbytes)`` lies inside a file of ``file_size`` bytes."""
     if offset < 0 or nbytes < 0:
         raise CheckpointError(
-            f"{path}: tensor {tensor!r} has a negative offset or size ({offset}, {nbytes})"
+            f"{path}: tensor {quote(tensor)} has a negative offset or size ({offset}, {nbytes})"
         )
     if offset + nbytes > file_size:
         raise CheckpointError(
-            f"{path}: tensor {tensor!r} extends past end of file: bytes [{offset}, "
+            f"{path}: tensor {quote(tensor)} extends past end of file: bytes [{offset}, "
             f"{offset + nbytes}) but the file is {file_size} bytes (truncated?)"
         )
 
@@ -135,7 +217,7 @@ def check_no_overlap(path: str, ranges: list[tuple[int, int, str]]) -> None:
     for offset, nbytes, name in ordered:
         if offset < furthest_end:
             raise CheckpointError(
-                f"{path}: tensors {furthest_name!r} and {name!r} overlap (the first ends at "
+                f"{path}: tensors {quote(furthest_name)} and {quote(name)} overlap (the first ends at "
                 f"byte {furthest_end}, the second starts at byte {offset})"
             )
         if offset + nbytes > furthest_end:
@@ -151,8 +233,8 @@ def _layout_expert(
         other = seen.get(r.name)
         if other is not None:
             raise CheckpointError(
-                f"expert (layer {key[0]}, expert {key[1]}) has two {r.name!r} tensors: "
-                f"{other.source_name!r} in {other.path} and {r.source_name!r} in {r.path}"
+                f"expert (layer {key[0]}, expert {key[1]}) has two {quote(r.name)} tensors: "
+                f"{quote(other.source_name)} in {other.path} and {quote(r.source_name)} in {r.path}"
             )
         seen[r.name] = r
 
@@ -174,8 +256,6 @@ def _layout_expert(
                 source_name=r.source_name,
             )
         )
-        if r.nbytes == 0:  # nothing to read; a zero-length extent would be a wasted request
-            continue
         last = extents[-1] if extents else None
         if last is not None and last.file == f and last.offset + last.length == r.offset:
             extents[-1] = Extent(file=f, offset=last.offset, length=last.length + r.nbytes)

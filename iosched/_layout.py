@@ -76,6 +76,14 @@ class CheckpointIndex:
     def layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.experts})
 
+    def experts_per_layer(self) -> int:
+        """E, the experts of each MoE layer (``load_index`` checks that every layer holds the
+        same experts ``0..E-1``; for an index built otherwise, the most any layer holds)."""
+        counts: dict[int, int] = {}
+        for layer, _ in self.experts:
+            counts[layer] = counts.get(layer, 0) + 1
+        return max(counts.values(), default=0)
+
     def expert_bytes_by_layer(self) -> dict[int, int]:
         """The largest expert of each layer, in bytes."""
         out: dict[int, int] = {}

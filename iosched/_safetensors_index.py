@@ -19,8 +19,6 @@ identical and the caller reinterprets them. Any other unknown dtype on an expert
 from __future__ import annotations
 
 import importlib
-import json
-import math
 import os
 import re
 import struct
@@ -31,7 +29,17 @@ from typing import Any
 import numpy as np
 
 from iosched._errors import CheckpointError
-from iosched._index_build import RawExpertTensor, check_in_file, check_no_overlap
+from iosched._index_build import RawExpertTensor, check_in_file, check_no_overlap, check_tensor_count, parse_id
+from iosched._untrusted import (
+    MAX_CONFIG_JSON_BYTES,
+    MAX_INDEX_JSON_BYTES,
+    confined_name,
+    list_folder,
+    parse_json,
+    quote,
+    read_capped,
+    regular_file_size,
+)
 
 INDEX_JSON = "model.safetensors.index.json"
 CONFIG_JSON = "config.json"
@@ -40,10 +48,19 @@ EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_t
 ``num_experts_per_tok`` (Qwen-MoE, Mixtral, DeepSeek, OLMoE ...), then the rarer spellings.
 ``top_k`` comes last because it is also a generation parameter; a value larger than the
 checkpoint's experts per layer is rejected by ``build_index``."""
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Keys of ``config.json`` that name E, the (routed) experts per MoE layer: ``num_experts``
+(Qwen-MoE, OLMoE, Jamba), ``num_local_experts`` (Mixtral, Llama 4, PhiMoE), ``n_routed_experts``
+(DeepSeek, GLM-4.5). When one is given every layer must hold exactly that many."""
 MAX_HEADER_BYTES = 100 * 1000 * 1000
-"""The same cap the safetensors library applies; a larger length is a corrupt file."""
+"""The same cap the safetensors library applies; a larger length is a corrupt file. Parsing a
+header costs at most ~26 bytes of memory per header byte (:mod:`iosched._untrusted`), so at
+most ~2.6 GB at this cap, and only for a file at least that large."""
+MAX_DIMS = 32
+"""Dimensions of one tensor, at most: numpy 1.x's limit (NPY_MAXDIMS), since a tensor becomes
+a numpy view; real tensors have at most 5."""
 
-_EXPERT_RE = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"(?:.*\.)?layers\.([0-9]+)\.(?:mlp|block_sparse_moe)\.experts\.([0-9]+)\.(.+)")
 _CANONICAL = {
     "gate_proj.weight": "gate_proj",
     "up_proj.weight": "up_proj",
@@ -94,64 +111,68 @@ class HeaderEntry:
     nbytes: int
 
 
-def find_index_json(folder: Path) -> Path | None:
+def find_index_json(folder: Path, names: list[str] | None = None) -> Path | None:
     """The folder's ``*.safetensors.index.json``: ``model.safetensors.index.json`` if present,
-    else the only one; ``None`` when there is none. Several candidates are ambiguous."""
-    preferred = folder / INDEX_JSON
-    if preferred.is_file():
-        return preferred
-    candidates = sorted(p for p in folder.glob("*.safetensors.index.json") if p.is_file())
+    else the only one; ``None`` when there is none. Several candidates are ambiguous.
+    ``names`` is the folder's listing (:func:`~iosched._untrusted.list_folder`) when the caller
+    has it."""
+    names = list_folder(folder) if names is None else names
+    if INDEX_JSON in names:
+        return folder / INDEX_JSON
+    candidates = [name for name in names if name.endswith(".safetensors.index.json")]
     if len(candidates) > 1:
-        names = ", ".join(p.name for p in candidates)
-        raise CheckpointError(f"{folder}: several safetensors index files ({names}); expected one")
-    return candidates[0] if candidates else None
+        shown = ", ".join(candidates)
+        raise CheckpointError(f"{folder}: several safetensors index files ({shown}); expected one")
+    return folder / candidates[0] if candidates else None
 
 
 def index_folder(folder: Path) -> list[RawExpertTensor]:
     """Expert tensors of a folder of shards.
 
     With an index json its ``weight_map`` is authoritative: only the shards it names are
-    read, each must exist, and each tensor it lists must be in that shard's header. Without
-    one, every ``*.safetensors`` file is read (sorted), and a tensor name may occur only once.
+    read, each must be a plain relative name inside the folder
+    (:func:`~iosched._untrusted.confined_name`) and exist, and each tensor it lists must be in
+    that shard's header. Without one, every ``*.safetensors`` file of the folder is read
+    (sorted; a directory listing only yields names inside it), and a tensor name may occur
+    only once.
     """
-    index_json = find_index_json(folder)
+    names = list_folder(folder)
+    index_json = find_index_json(folder, names)
     if index_json is not None:
         return _index_with_weight_map(folder, index_json)
-    shards = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     raws: list[RawExpertTensor] = []
     where: dict[str, Path] = {}
-    for shard in shards:
+    for shard in (folder / name for name in names if name.endswith(".safetensors")):
+        abspath = os.path.abspath(shard)
         for entry in read_header(shard):
             first = where.setdefault(entry.name, shard)
             if first != shard:
                 raise CheckpointError(
-                    f"tensor {entry.name!r} is in both {first} and {shard}; add a "
+                    f"tensor {quote(entry.name)} is in both {first} and {shard}; add a "
                     f"{INDEX_JSON} to say which one counts"
                 )
-            raw = _expert_tensor(shard, entry)
+            raw = _expert_tensor(shard, entry, abspath)
             if raw is not None:
                 raws.append(raw)
+        check_tensor_count(len(raws), folder)
     return raws
 
 
-def experts_per_token_from_config(folder: Path) -> tuple[int | None, str]:
-    """k from the folder's ``config.json``, and where it came from (for error messages).
+def config_counts(folder: Path) -> tuple[tuple[int | None, str], tuple[int | None, str]]:
+    """``((k, where), (E, where))`` from the folder's ``config.json``: k, the experts routed
+    per token (:data:`EXPERTS_PER_TOKEN_KEYS`), and E, the experts per layer
+    (:data:`EXPERT_COUNT_KEYS`), each with the file and key it came from (for messages).
 
     Looks at the top level, then at ``text_config`` (multimodal MoE configs nest the language
-    model's there). ``(None, "")`` when there is no ``config.json`` or it names no k; a file
+    model's there). ``(None, "")`` for a number the file does not state (no ``config.json``, or
+    no such key); a file over :data:`~iosched._untrusted.MAX_CONFIG_JSON_BYTES`, one
     that is not a JSON object, or a key whose value is not a positive integer, is a
     :class:`CheckpointError` naming the file and the key.
     """
     path = folder / CONFIG_JSON
-    if not path.is_file():
-        return None, ""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        keys = ", ".join(EXPERTS_PER_TOKEN_KEYS)
-        raise CheckpointError(
-            f"{path}: malformed config.json, cannot read the experts per token ({keys}): {exc}"
-        ) from exc
+    if not os.path.isfile(path):  # as before: a folder, a FIFO or a broken link is no config
+        return (None, ""), (None, "")
+    doc = parse_json(read_capped(path, MAX_CONFIG_JSON_BYTES, "config.json"), path, "malformed config.json")
     if not isinstance(doc, dict):
         raise CheckpointError(
             f"{path}: malformed config.json: a JSON {type(doc).__name__}, not an object "
@@ -161,15 +182,28 @@ def experts_per_token_from_config(folder: Path) -> tuple[int | None, str]:
     nested = doc.get("text_config")
     if isinstance(nested, dict):
         scopes.append(("text_config.", nested))
+    k = _config_number(path, scopes, EXPERTS_PER_TOKEN_KEYS, "experts routed per token")
+    return k, _config_number(path, scopes, EXPERT_COUNT_KEYS, "experts per layer")
+
+
+def experts_per_token_from_config(folder: Path) -> tuple[int | None, str]:
+    """k from the folder's ``config.json``, and where it came from (:func:`config_counts`)."""
+    return config_counts(folder)[0]
+
+
+def _config_number(
+    path: Path, scopes: list[tuple[str, dict[str, Any]]], keys: tuple[str, ...], meaning: str
+) -> tuple[int | None, str]:
+    """The first of ``keys`` found in ``scopes``, checked to be a positive integer."""
     for prefix, scope in scopes:
-        for key in EXPERTS_PER_TOKEN_KEYS:
+        for key in keys:
             if key not in scope:
                 continue
             value = scope[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointError(
-                    f"{path}: malformed config.json: key {prefix + key!r} is {value!r}, "
-                    "not a positive integer (experts routed per token)"
+                    f"{path}: malformed config.json: key {prefix + key!r} is {quote(value)}, "
+                    f"not a positive integer ({meaning})"
                 )
             return value, f"{path} key {prefix + key!r}"
     return None, ""
@@ -177,41 +211,39 @@ def experts_per_token_from_config(folder: Path) -> tuple[int | None, str]:
 
 def index_file(path: Path) -> list[RawExpertTensor]:
     """Expert tensors of a single ``.safetensors`` file."""
-    raws = (_expert_tensor(path, entry) for entry in read_header(path))
+    abspath = os.path.abspath(path)
+    raws = (_expert_tensor(path, entry, abspath) for entry in read_header(path))
     return [r for r in raws if r is not None]
 
 
 def read_header(path: Path) -> list[HeaderEntry]:
     """Parse and validate the header of ``path``; raises :class:`CheckpointError` naming it.
 
-    Checks: the length prefix fits in the file and under :data:`MAX_HEADER_BYTES`; the JSON
-    is an object of well-formed entries; a known dtype's byte size equals
-    ``prod(shape) * itemsize``; every tensor lies inside the file; no two tensors overlap.
+    Checks: ``path`` is a regular file; the length prefix fits in the file and under
+    :data:`MAX_HEADER_BYTES`; the JSON is an object of well-formed entries; a known dtype's
+    byte size equals ``prod(shape) * itemsize``; every tensor lies inside the file; no two
+    tensors overlap. Until the header has parsed as a JSON object the file is not accepted as
+    a safetensors file, and no message quotes a value read from it (sizes of the file only).
     """
+    size = regular_file_size(path, "safetensors file")
+    if size < 8:
+        raise CheckpointError(
+            f"{path}: {size} bytes is too short to be a safetensors file (no 8-byte header length)"
+        )
     try:
-        size = os.stat(path).st_size
         with open(path, "rb") as f:
-            prefix = f.read(8)
-            if size < 8 or len(prefix) < 8:
-                raise CheckpointError(
-                    f"{path}: {size} bytes is too short to be a safetensors file "
-                    "(no 8-byte header length)"
-                )
-            (n,) = struct.unpack("<Q", prefix)
+            (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
-                    f"{path}: corrupt safetensors header: header length {n} is absurd "
-                    f"(file is {size} bytes, limit {MAX_HEADER_BYTES})"
+                    f"{path}: not a safetensors file (header length prefix out of range: the file "
+                    f"is {size} bytes, a header at most {MAX_HEADER_BYTES})"
                 )
             blob = f.read(n)
-    except OSError as exc:
+    except (OSError, struct.error) as exc:
         raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
     if len(blob) != n:
-        raise CheckpointError(f"{path}: header cut short ({len(blob)} of {n} bytes)")
-    try:
-        header = json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header, not valid JSON: {exc}") from exc
+        raise CheckpointError(f"{path}: header cut short (the file shrank while it was read)")
+    header = parse_json(blob, path, "corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object"
@@ -231,42 +263,58 @@ def read_header(path: Path) -> list[HeaderEntry]:
 
 def _parse_entry(path: Path, name: str, value: object, data_start: int) -> HeaderEntry:
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r}: {what}")
+        return CheckpointError(f"{path}: corrupt safetensors header: tensor {quote(name)}: {what}")
 
     if not isinstance(value, dict):
         raise bad(f"entry is a JSON {type(value).__name__}, not an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if not isinstance(dtype, str):
-        raise bad(f"dtype {dtype!r} is not a string")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        raise bad(f"dtype {quote(dtype)} is not a string")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise bad(f"shape {quote(shape)} is not a list of at most {MAX_DIMS} non-negative integers")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(_is_count(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+        raise bad(f"data_offsets {quote(offsets)} is not [begin, end] with 0 <= begin <= end")
     begin, end = int(offsets[0]), int(offsets[1])
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is not None:
-        expected = math.prod(shape) * itemsize
+        expected = _shape_bytes(shape, itemsize)
         if end - begin != expected:
+            needs = "more than 2**64" if expected is None else str(expected)
             raise bad(
-                f"data_offsets [{begin}, {end}) hold {end - begin} bytes but shape {shape} "
-                f"of {dtype} needs {expected}"
+                f"data_offsets [{begin}, {end}) hold {end - begin} bytes but shape {quote(shape)} "
+                f"of {dtype} needs {needs}"
             )
     return HeaderEntry(
         name=name, dtype=dtype, shape=tuple(shape), offset=data_start + begin, nbytes=end - begin
     )
 
 
+def _shape_bytes(shape: list[int], itemsize: int) -> int | None:
+    """``prod(shape) * itemsize``, or ``None`` once it passes 2**64 bytes (no file holds that
+    many; a hostile shape of huge dimensions would otherwise cost a product of millions of
+    digits)."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > 1 << 64:
+            return None
+    return n
+
+
 def _is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _expert_tensor(path: Path, entry: HeaderEntry) -> RawExpertTensor | None:
-    """The entry as an expert tensor, or ``None`` for a non-expert tensor."""
+def _expert_tensor(path: Path, entry: HeaderEntry, abspath: str = "") -> RawExpertTensor | None:
+    """The entry as an expert tensor, or ``None`` for a non-expert tensor (``abspath``:
+    ``os.path.abspath(path)``, when the caller has it)."""
     m = _EXPERT_RE.fullmatch(entry.name)
     if m is None:
         return None
@@ -274,52 +322,64 @@ def _expert_tensor(path: Path, entry: HeaderEntry) -> RawExpertTensor | None:
     if dtype is None:
         known = ", ".join(sorted(NUMPY_DTYPES))
         raise CheckpointError(
-            f"{path}: tensor {entry.name!r} has unsupported dtype {entry.dtype!r} "
+            f"{path}: tensor {quote(entry.name)} has unsupported dtype {quote(entry.dtype)} "
             f"(supported: {known})"
         )
     suffix = m.group(3)
     return RawExpertTensor(
-        layer=int(m.group(1)),
-        expert=int(m.group(2)),
+        layer=parse_id(m.group(1), "layer", path, entry.name),
+        expert=parse_id(m.group(2), "expert", path, entry.name),
         name=_CANONICAL.get(suffix, suffix),
         source_name=entry.name,
         dtype=dtype,
         shape=entry.shape,
-        path=os.path.abspath(path),
+        path=abspath or os.path.abspath(path),
         offset=entry.offset,
         nbytes=entry.nbytes,
     )
 
 
 def _index_with_weight_map(folder: Path, index_json: Path) -> list[RawExpertTensor]:
-    try:
-        doc = json.loads(index_json.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {index_json}: {exc}") from exc
+    doc = parse_json(read_capped(index_json, MAX_INDEX_JSON_BYTES, "safetensors index"), index_json,
+                     "safetensors index")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise CheckpointError(f"{index_json}: no 'weight_map' object of tensor name -> shard file")
+    first_entry: dict[str, str] = {}  # shard name -> the first tensor naming it (for the message)
+    for tensor, shard_name in weight_map.items():
+        first_entry.setdefault(shard_name, tensor)
+    for shard_name, tensor in first_entry.items():  # every name first: nothing outside is opened
+        confined_name(shard_name, index_json, tensor)
 
     headers: dict[str, dict[str, HeaderEntry]] = {}
-    for shard_name in sorted(set(weight_map.values())):
+    for shard_name in sorted(first_entry):
         shard = folder / shard_name
-        if not shard.is_file():
+        try:
+            os.stat(shard)  # follows links: a broken one is missing too
+        except FileNotFoundError:
             raise CheckpointError(
-                f"shard {shard_name} named in {index_json} is missing (looked for {shard})"
-            )
+                f"shard {quote(shard_name)} named in {index_json} is missing (looked for {shard})"
+            ) from None
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot look at shard {quote(shard_name)} named in {index_json}: {exc.strerror or exc}"
+            ) from None
         headers[shard_name] = {e.name: e for e in read_header(shard)}
 
+    shards = {name: (folder / name, os.path.abspath(folder / name)) for name in headers}
     raws: list[RawExpertTensor] = []
     for tensor, shard_name in weight_map.items():
         entry = headers[shard_name].get(tensor)
         if entry is None:
             raise CheckpointError(
-                f"tensor {tensor!r} is listed in {index_json} as being in {shard_name}, "
+                f"tensor {quote(tensor)} is listed in {index_json} as being in {quote(shard_name)}, "
                 f"but {folder / shard_name} has no such tensor"
             )
-        raw = _expert_tensor(folder / shard_name, entry)
+        shard, abspath = shards[shard_name]
+        raw = _expert_tensor(shard, entry, abspath)
         if raw is not None:
             raws.append(raw)
+    check_tensor_count(len(raws), index_json)
     return raws
