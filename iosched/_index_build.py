@@ -139,11 +139,11 @@ def build_index(
     by_key: dict[ExpertKey, list[RawExpertTensor]] = {}
     for r in raws:
         by_key.setdefault((r.layer, r.expert), []).append(r)
-    per_layer = check_expert_grid(by_key, root, n_experts, e_source)
-    if experts_per_token is not None and experts_per_token > per_layer:
+    fewest = check_expert_grid(by_key, root, n_experts, e_source)
+    if experts_per_token is not None and experts_per_token > fewest:
         raise CheckpointError(
-            f"{k_source or root}: experts per token is {experts_per_token}, more than {per_layer} "
-            "experts, the number in each layer of the checkpoint")
+            f"{k_source or root}: experts per token is {experts_per_token}, more than {fewest} "
+            "experts, the fewest in any layer of the checkpoint")
     experts = {key: _layout_expert(key, by_key[key], file_index) for key in sorted(by_key)}
     return CheckpointIndex(
         format=fmt, root=root, files=files, file_sizes=file_sizes, experts=experts,
@@ -168,14 +168,16 @@ def _check_bytes(raws: list[RawExpertTensor], file_sizes: tuple[int, ...], file_
 def check_expert_grid(
     by_key: dict[ExpertKey, list[RawExpertTensor]], root: str, n_experts: int | None, e_source: str
 ) -> int:
-    """E, the experts per layer, after checking that every layer holds exactly experts
-    ``0..E-1``, the same E everywhere, and E equals ``n_experts`` when the metadata states it
-    (``e_source``). The message names the layer and a file holding its tensors."""
+    """The fewest experts any MoE layer holds, after checking that every layer ``l`` holds
+    exactly experts ``0..E_l-1`` (no holes: a policy's arrays, sized by the largest id + 1, are
+    then sized by experts that exist) and, when the metadata states the model's expert count
+    ``n_experts`` (``e_source``), that no layer holds more and the largest layer holds exactly
+    that many.  Layers may hold different counts (an uneven model); the message names the layer
+    and a file holding its tensors."""
     ids: dict[int, list[int]] = {}
     for layer, expert in by_key:
         ids.setdefault(layer, []).append(expert)
-    first_layer = min(ids)
-    expected = len(ids[first_layer]) if n_experts is None else n_experts
+    counts: dict[int, int] = {}
     for layer in sorted(ids):
         present = sorted(ids[layer])
         where = by_key[(layer, present[-1])][0].path
@@ -184,13 +186,16 @@ def check_expert_grid(
             raise CheckpointError(
                 f"{root}: layer {layer} has {len(present)} experts, ids up to {present[-1]} (in {where}), "
                 f"but no expert {missing}; the experts of a layer must be 0..E-1 without holes")
-        if len(present) != expected:
-            said = (f"{e_source} says {n_experts}" if n_experts is not None
-                    else f"layer {first_layer} has {expected}")
-            raise CheckpointError(
-                f"{root}: layer {layer} has {len(present)} experts (in {where}), but {said}; "
-                "every MoE layer must hold the same experts 0..E-1")
-    return expected
+        counts[layer] = len(present)
+        if n_experts is not None and len(present) > n_experts:
+            raise CheckpointError(f"{root}: layer {layer} has {len(present)} experts (in {where}), but "
+                                  f"{e_source} says {n_experts}: no layer may hold more")
+    most = max(counts.values())
+    if n_experts is not None and most != n_experts:
+        layer = max(counts, key=lambda lay: counts[lay])
+        raise CheckpointError(f"{root}: the largest layer ({layer}) has {most} experts, but {e_source} says "
+                              f"{n_experts}")
+    return min(counts.values())
 
 
 def check_in_file(path: str, file_size: int, tensor: str, offset: int, nbytes: int) -> None:

@@ -77,12 +77,19 @@ class CheckpointIndex:
         return sorted({layer for layer, _ in self.experts})
 
     def experts_per_layer(self) -> int:
-        """E, the experts of each MoE layer (``load_index`` checks that every layer holds the
-        same experts ``0..E-1``; for an index built otherwise, the most any layer holds)."""
+        """E, the most experts a MoE layer holds (``load_index`` checks that every layer ``l``
+        holds experts ``0..E_l-1``; in all but uneven models every ``E_l`` is E)."""
+        return max(self._experts_by_layer().values(), default=0)
+
+    def fewest_experts_per_layer(self) -> int:
+        """The fewest experts any MoE layer holds: the most a token may route (k) there."""
+        return min(self._experts_by_layer().values(), default=0)
+
+    def _experts_by_layer(self) -> dict[int, int]:
         counts: dict[int, int] = {}
         for layer, _ in self.experts:
             counts[layer] = counts.get(layer, 0) + 1
-        return max(counts.values(), default=0)
+        return counts
 
     def expert_bytes_by_layer(self) -> dict[int, int]:
         """The largest expert of each layer, in bytes."""

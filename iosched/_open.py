@@ -294,9 +294,10 @@ async def assemble(args: OpenArgs) -> StoreParts:
     if "telemetry" in outputs:
         _outputs_mod.check_telemetry_target(outputs["telemetry"], args.telemetry)
     if args.experts_per_token is not None:  # the caller's k wins over the checkpoint's
-        if args.experts_per_token > index.experts_per_layer():  # as config.json's k is checked
+        fewest = index.fewest_experts_per_layer()
+        if args.experts_per_token > fewest:  # as config.json's k is checked
             raise BudgetError(f"experts_per_token={args.experts_per_token} is more than the "
-                              f"{index.experts_per_layer()} experts of each layer of {index.root}")
+                              f"{fewest} experts of a layer of {index.root}")
         index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
     verification = await asyncio.to_thread(_verify.prepare, index, args.verify, args.manifest,
                                            args.verify_mirrors)

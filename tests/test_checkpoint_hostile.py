@@ -269,10 +269,20 @@ def test_expert_ids_with_a_hole(tmp_path: Path) -> None:
 
 
 def test_layers_with_different_expert_counts(tmp_path: Path) -> None:
+    """An uneven model (layers of 2 and 1 experts, each 0..E-1) opens; a stated expert count
+    the largest layer does not reach, or a layer above it, is refused."""
     header = {f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight": entry(16 * i, 16 * i + 16)
               for i, (layer, e) in enumerate([(0, 0), (0, 1), (1, 0)])}
     file = raw_safetensors(tmp_path / "uneven.safetensors", header, bytes(48))
-    raises(file, "uneven.safetensors", "layer 1 has 1 experts", "layer 0 has 2")
+    index = load_index(file)
+    assert (index.experts_per_layer(), index.fewest_experts_per_layer()) == (2, 1)
+    assert sorted(index.experts) == [(0, 0), (0, 1), (1, 0)]
+    folder = tmp_path / "stated"
+    folder.mkdir()
+    raw_safetensors(folder / "model.safetensors", header, bytes(48))
+    for stated, words in [(3, "the largest layer (0) has 2 experts"), (1, "layer 0 has 2 experts")]:
+        (folder / "config.json").write_text(json.dumps({"num_experts": stated}))
+        raises(folder, "config.json", words)
 
 
 def test_expert_count_of_config_json_is_checked(tmp_path: Path) -> None:
@@ -281,7 +291,7 @@ def test_expert_count_of_config_json_is_checked(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["num_experts"] = 8
     (folder / "config.json").write_text(json.dumps(config))
-    raises(folder, "config.json", "'num_experts' says 8", "layer 0 has 4 experts")
+    raises(folder, "config.json", "'num_experts' says 8", "layer (0) has 4 experts")
     config["num_experts"] = "eight"
     (folder / "config.json").write_text(json.dumps(config))
     raises(folder, "config.json", "'num_experts' is 'eight'", "experts per layer")
@@ -385,7 +395,7 @@ def test_gguf_expert_count_is_checked(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    raises(path, "count.gguf", "'qwen3moe.expert_count' says 8", "layer 0 has 4 experts")
+    raises(path, "count.gguf", "'qwen3moe.expert_count' says 8", "layer (0) has 4 experts")
 
 
 def _write_reference_gguf(path: Path, endianess: Any) -> Path:
