@@ -38,13 +38,13 @@ COUNTERS = (
     "prefetch_issued", "prefetch_dropped", "prefetch_refused", "prefetch_refused_bytes",
     "prefetch_promoted", "hints", "hints_skipped", "retries", "failovers", "queue_waits",
     "stripes", "stripe_redos", "prefetch_used", "prefetch_wasted", "prefetch_failed",
-    "physical_misses", "migration_bytes",
+    "physical_misses", "migration_bytes", "retired_slabs", "retired_released",
 )
 """Monotonic integer counters of ``stats()``: each record holds their deltas."""
 SECONDS = ("felt_wait_s", "service_s")
 """Monotonic float counters of ``stats()`` (seconds): deltas too."""
 GAUGES = ("resident_bytes", "resident_experts", "leased", "loading", "idle_slab_bytes", "budget_bytes",
-          "prefetch_unused")
+          "prefetch_unused", "retired_bytes")
 """Current values at the end of the interval, not deltas."""
 TIERS = ("resident", "page_cache", "drive")
 """Keys of ``hits_by_tier``: each a monotonic counter, so each record holds their deltas."""
@@ -128,6 +128,8 @@ _COUNTER_HELP = {
     "retries": "reads retried on another replica",
     "failovers": "reads another replica served after an error",
     "tokens": "token boundaries",
+    "retired_slabs": "slabs retired, not reused: a view of their expert outlived its lease",
+    "retired_released": "retired slabs taken back once their last view died",
 }
 _GAUGE_HELP = {
     "resident_bytes": "bytes of resident and loading experts",
@@ -137,6 +139,7 @@ _GAUGE_HELP = {
     "loading": "experts loading now",
     "idle_slab_bytes": "idle slab bytes in the pool",
     "prefetch_unused": "prefetched experts not leased yet",
+    "retired_bytes": "bytes of retired slabs still referenced by views kept past their lease",
 }
 
 
