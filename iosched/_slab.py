@@ -215,7 +215,7 @@ class SlabPool:
             self.retired.retire(slab, owner, watch, self.taken_bytes)
         else:
             self._keep(slab, max_idle_bytes)
-        if owner is not None and not self.retired.warned:
+        if owner is not None and len(self.retired) and not self.retired.warned:
             self._warn_if_kept(budget_bytes)
 
     def _warn_if_kept(self, budget_bytes: int) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from iosched import ExpertStore, ExpertView, load_index
+from iosched import ExpertStore, ExpertView, InvariantError, load_index
 from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from iosched._slab import PAGE, Slab, round_up
 from tests.conftest import EXPERTS, LAYERS
@@ -362,3 +362,21 @@ def test_slab_export_check() -> None:
         assert not slab.exported()
     assert slab.mm[:4] == b"abcd" and np.frombuffer(slab.mm, dtype=np.uint8).ctypes.data == address
     slab.close()
+
+
+@pytest.mark.asyncio
+async def test_check_invariants_catches_an_exported_idle_slab(st_checkpoint: Path) -> None:
+    """The invariant check can fail: an idle slab something still exports (what recycling
+    without looking did) is an ``InvariantError``."""
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=tight_budget(st_checkpoint, 3),
+                                      backend="pread", policy="lru") as store:
+        await churn(store, 1)
+        store._table.evict(next(iter(store._table.entries())))  # its slab goes idle: room for it now
+        pool = store._loader.pool
+        idle = [slab for free in pool._idle.values() for slab in free]
+        assert idle, "the run must leave an idle slab"
+        held = memoryview(idle[0].mm)
+        with pytest.raises(InvariantError, match="still exported"):
+            store.check_invariants()
+        del held
+        store.check_invariants()
