@@ -45,6 +45,14 @@ def _fadvise_willneed(path: str, offset: int, length: int) -> None:
         os.close(fd)
 
 
+def _let_go(view: memoryview) -> None:
+    """Release ``view`` (the slab's export it held ends now, whoever still refers to it);
+    a backend still exporting it would be reading into it yet, so then it is left alone
+    (the slab then waits, retired, until that ends: never recycled under a read)."""
+    with contextlib.suppress(BufferError):
+        view.release()
+
+
 class ReadPath:
     def __init__(
         self,
@@ -272,8 +280,17 @@ class ReadPath:
 
     async def _one(self, replica: Replica, offset: int, length: int, buf: memoryview,
                    ticket: Ticket) -> tuple[int, bool]:
-        async with self._slot(replica, ticket):
-            got, cached = await backends.read_tiered(self.backend, replica.file, offset, length, buf)
+        # The backend gets a memoryview of its own, released once the read returned or raised:
+        # a worker thread that still holds it for a moment (``concurrent.futures`` drops a
+        # work item's arguments only after it published the result, measured: a few loads in
+        # a hundred) then holds a dead view, not an export of the slab, so the slab's export
+        # check (``_slab.Slab.exported``) sees only the views an engine keeps.
+        handed = buf[:]
+        try:
+            async with self._slot(replica, ticket):
+                got, cached = await backends.read_tiered(self.backend, replica.file, offset, length, handed)
+        finally:
+            _let_go(handed)
         self._count(replica, got, ticket)
         return got, cached
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from typing import Any
 
 from iosched import backends
@@ -32,7 +33,7 @@ from ._prefetch import PrefetchLedger
 from ._readplan import ReadPlan, pack, plan_reads
 from ._room import Room
 from ._scheduler import DEMAND, Ticket
-from ._slab import Slab, SlabPool
+from ._slab import PAGE, Slab, SlabPool, round_up
 from ._view import ExpertView
 
 
@@ -94,6 +95,7 @@ class Loader:
             # holds more than the budget's headroom, not even until the load task starts: the
             # slab an eviction just returned is usually the one taken here.
             plan = plan_reads(layout, self._io.alignment)
+            self.pool.reclaim(self.headroom() + round_up(plan.capacity, PAGE))  # retired slabs now free
             slab = self.pool.take(plan.capacity)
             self.pool.trim(self.headroom())
         self._spawn(self._load(entry, layout, record, plan, slab))
@@ -119,8 +121,8 @@ class Loader:
                 view = ExpertView.over(layout, view_bytes)
             else:
                 cached = await self._read_plan(layout, plan, slab, ticket)
-                data = memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes]
-                view = ExpertView.over(layout, data)
+                # No local keeps a memoryview of the slab: only the views do (see free()).
+                view = ExpertView.over(layout, memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes])
         except BaseException as exc:
             self._failed(entry, layout, record, slab, mapped, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -134,6 +136,7 @@ class Loader:
             else:
                 self.physical_misses += 1
         self._table.publish(entry, Loaded(slab, view, mapped))
+        del view  # the payload holds the views now: settle() below may free a transient entry
         record.future.set_result(None)
         self.settle(entry)
 
@@ -145,7 +148,7 @@ class Loader:
         self._table.remove(entry)
         self._ledger.left(entry, failed=True)
         if slab is not None:
-            self.pool.give(slab, self.headroom())
+            self.pool.give_back(slab, self.headroom())  # retired while the error's frames hold a buffer of it
         if mapped is not None and self._zero_copy is not None:
             self._zero_copy.unmap(*mapped)
         if isinstance(exc, StoreError):
@@ -191,16 +194,26 @@ class Loader:
             self._room.wake()
 
     def free(self, entry: Entry) -> None:
-        """Give back the memory of ``entry``, which left the table."""
+        """Give back the memory of ``entry``, which left the table.
+
+        The payload was the store's last reference to the views; once it is dropped, a slab
+        that something still exports (an engine kept a view past its lease) is retired, never
+        recycled (``SlabPool.give_back``): a kept view never shows another expert's bytes."""
         loaded: Loaded | None = self._table.take_payload(entry)
         if loaded is None:
             return
         slab, mapped = loaded.slab, loaded.mapped
-        del loaded  # drop the views first, so the pool may unmap the slab
+        watched = weakref.ref(loaded.view.data)
+        del loaded  # drop the views first: the pool recycles the slab only if nothing else holds one
         if slab is not None:
-            self.pool.give(slab, self.headroom())
+            self.pool.give_back(slab, self.headroom(), entry.key, watched(), self._table.budget_bytes)
         if mapped is not None and self._zero_copy is not None:
             self._zero_copy.unmap(*mapped)
+
+    def reclaim(self) -> None:
+        """Take back the retired slabs whose views died since (``stats()`` calls it, so that
+        ``retired_bytes`` is current; loads and frees do it anyway)."""
+        self.pool.reclaim(self.headroom())
 
     def hint(self, layouts: list[ExpertLayout]) -> int:
         """``ExpertStore.hint``: page-cache read-ahead of the experts not in the table, queued

@@ -55,6 +55,8 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
     hooks: Hooks = table.hooks
     pacer = prefetcher.pacer
     cycles = _sizing.cycle_stats(index, table.budget_bytes)
+    loader.reclaim()
+    retired = loader.pool.retired
     td, budget_cycles = cycles["td_bytes"], cycles["budget_cycles"]
     verification, verifier = described.verification, io.verifier
     return StoreStats(
@@ -69,7 +71,9 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         resident_experts=sum(1 for e in entries if e.state is EntryState.RESIDENT),
         load_errors=loader.load_errors,
         hits_by_tier=TierStats(counts.hits, loader.page_cache_misses, loader.physical_misses),
-        physical_misses=loader.physical_misses, idle_slab_bytes=loader.pool.idle_bytes, tokens=tokens,
+        physical_misses=loader.physical_misses, idle_slab_bytes=loader.pool.idle_bytes,
+        retired_slabs=retired.slabs, retired_released=retired.released, retired_bytes=retired.bytes,
+        tokens=tokens,
         prefetch_issued=prefetcher.issued, prefetch_dropped=prefetcher.dropped,
         prefetch_used=ledger.used, prefetch_wasted=ledger.wasted, prefetch_failed=ledger.failed,
         prefetch_unused=len(ledger.unused), prefetch_refused=prefetcher.refused,

@@ -175,6 +175,15 @@ class StoreStats:
     hits_by_tier: TierStats
     physical_misses: int
     idle_slab_bytes: int
+    retired_slabs: int
+    """Slabs set aside instead of recycled because something still referenced a view of their
+    expert when it left the store (kept past its lease): monotonic."""
+    retired_released: int
+    """Retired slabs taken back since, their last reference gone (recycled or closed; at
+    ``close()`` every one): monotonic.  ``retired_slabs - retired_released`` are held now."""
+    retired_bytes: int
+    """Page-rounded bytes of the retired slabs held now: a gauge, outside ``budget_bytes``
+    (memory the engine keeps referenced, not resident experts)."""
     tokens: int
     # -- prefetch
     prefetch_issued: int

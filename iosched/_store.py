@@ -361,11 +361,20 @@ class ExpertStore:
         return as_dict(self.statistics())
 
     def check_invariants(self) -> None:
-        """Re-check the table's invariants and the pool's headroom; :class:`InvariantError`
-        (an ``AssertionError``) if one is broken."""
+        """Re-check the table's invariants, the pool's headroom, that no idle slab is still
+        exported (a view of it referenced), and the retired slabs' counts;
+        :class:`InvariantError` (an ``AssertionError``) if one is broken."""
         self._table.check()
-        if self._loader.pool.idle_bytes > self._loader.headroom():
+        pool = self._loader.pool
+        if pool.idle_bytes > self._loader.headroom():
             raise InvariantError("idle slabs exceed the budget's headroom")
+        exported = pool.idle_exported()
+        if exported:
+            raise InvariantError(f"{exported} idle slab(s) still exported: a view would show another expert's bytes")
+        retired = pool.retired
+        if retired.slabs != retired.released + len(retired) or retired.bytes < 0:
+            raise InvariantError(f"retired slabs miscounted: {retired.slabs} retired, {retired.released} "
+                                 f"released, {len(retired)} held ({retired.bytes} bytes)")
 
     # ------------------------------------------------------------------ internals
 

@@ -43,12 +43,13 @@ COUNTERS = (
     "prefetch_promoted", "hints", "hints_skipped", "retries", "failovers", "queue_waits",
     "stripes", "stripe_redos", "prefetch_used", "prefetch_wasted", "prefetch_failed",
     "physical_misses", "migration_bytes", "verified_bytes", "verify_mismatches", "verify_retries",
+    "retired_slabs", "retired_released",
 )
 """Monotonic integer counters of ``stats()``: each record holds their deltas."""
 SECONDS = ("felt_wait_s", "service_s", "verify_s")
 """Monotonic float counters of ``stats()`` (seconds): deltas too."""
 GAUGES = ("resident_bytes", "resident_experts", "leased", "loading", "idle_slab_bytes", "budget_bytes",
-          "prefetch_unused", "verify_bad_extents")
+          "prefetch_unused", "verify_bad_extents", "retired_bytes")
 """Current values at the end of the interval, not deltas."""
 TIERS = ("resident", "page_cache", "drive")
 """Keys of ``hits_by_tier``: each a monotonic counter, so each record holds their deltas."""
@@ -155,6 +156,8 @@ _COUNTER_HELP = {
     "verified_bytes": "extent bytes checked against the manifest and found equal",
     "verify_mismatches": "extent reads whose bytes differed from the manifest",
     "verify_retries": "extent reads redone after a checksum mismatch",
+    "retired_slabs": "slabs retired, not reused: a view of their expert outlived its lease",
+    "retired_released": "retired slabs taken back once their last view died",
 }
 _GAUGE_HELP = {
     "resident_bytes": "bytes of resident and loading experts",
@@ -165,6 +168,7 @@ _GAUGE_HELP = {
     "idle_slab_bytes": "idle slab bytes in the pool",
     "prefetch_unused": "prefetched experts not leased yet",
     "verify_bad_extents": "(replica, extent) pairs whose last read did not match the manifest",
+    "retired_bytes": "bytes of retired slabs still referenced by views kept past their lease",
 }
 
 
