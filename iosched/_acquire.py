@@ -143,8 +143,7 @@ class Acquirer:
                             room.pass_below(layout.nbytes)
                         if ticket is None:
                             ticket = room.ticket()
-                        await room.wait(layout.nbytes, ticket, again=woken)
-                        woken = True
+                        woken = await room.wait(key, layout.nbytes, ticket, again=woken)
                         self._lifecycle.check_open()
                         continue
                     self._loader.start(entry, layout)

@@ -88,6 +88,8 @@ class Loader:
         loop = asyncio.get_running_loop()
         record = InFlight(loop.create_future(), Ticket(priority))
         self.in_flight[layout.key] = record
+        if self._room:
+            self._room.loading(layout.key)  # acquires waiting for room to load it join instead
         plan: ReadPlan | None = None
         slab: Slab | None = None
         if self._zero_copy is None or len(layout.extents) != 1:

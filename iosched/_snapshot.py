@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from iosched.residency import EntryState, Hooks, ResidencyTable
 
-from . import _sizing
 from ._acquire import Acquirer
 from ._autogrow import AutoGrow
 from ._io import ReadPath
@@ -35,6 +34,8 @@ class Described:
     policy: str
     policy_fallback: str | None
     verification: Verification
+    td_bytes: int | None = None
+    """One token cycle in bytes (``None`` without k): computed once, it walks every expert."""
 
 
 def _loop_name() -> str:
@@ -54,10 +55,10 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
     counts = acquirer.counts
     hooks: Hooks = table.hooks
     pacer = prefetcher.pacer
-    cycles = _sizing.cycle_stats(index, table.budget_bytes)
     loader.reclaim()
     retired = loader.pool.retired
-    td, budget_cycles = cycles["td_bytes"], cycles["budget_cycles"]
+    td = described.td_bytes
+    budget_cycles = table.budget_bytes / td if td else None
     verification, verifier = described.verification, io.verifier
     return StoreStats(
         requests=counts.requests, hits=counts.hits, misses=counts.misses,

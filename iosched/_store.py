@@ -29,7 +29,7 @@ from typing import Any
 from iosched import backends
 from iosched.residency import Capability, Entry, ModelShape, Policy, ResidencyTable, make_policy
 
-from . import _routing, _settings
+from . import _routing, _settings, _sizing
 from ._acquire import Acquirer
 from ._autogrow import AutoGrow
 from ._errors import InvariantError, StoreError
@@ -100,7 +100,9 @@ class ExpertStore:
         index, io = parts.index, parts.io
         self._index, self._io = index, io
         policy, shape, fallback = _build_policy(parts.policy_name, index)
-        self._described = Described(parts.backend_reason, parts.policy_name, fallback, parts.verification)
+        k = index.experts_per_token
+        self._described = Described(parts.backend_reason, parts.policy_name, fallback, parts.verification,
+                                    None if k is None else _sizing.token_cycle_bytes(index, k))
         self._table = table = ResidencyTable(
             parts.budget_bytes, policy, transient_bytes=_transient_bytes(policy, index, parts.budget_bytes),
             shape=shape)

@@ -371,16 +371,19 @@ class ResidencyTable:
         """Re-check every invariant in the module docstring; :class:`InvariantError` if one
         fails (explicit checks: they hold under ``python -O`` too)."""
         total = sum(e.nbytes for e in self._entries.values())
-        require(total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}")
-        require(self.used_bytes <= self.budget_bytes,
-                f"byte budget exceeded: {self.used_bytes} used of {self.budget_bytes}")
+        if total != self.used_bytes:
+            raise InvariantError(f"used_bytes {self.used_bytes} != sum of entries {total}")
+        if self.used_bytes > self.budget_bytes:
+            raise InvariantError(f"byte budget exceeded: {self.used_bytes} used of {self.budget_bytes}")
         admitted = sum(e.nbytes for e in self._entries.values() if not e.transient)
-        require(admitted == self.admitted_bytes,
-                f"admitted_bytes {self.admitted_bytes} != sum of admitted entries {admitted}")
+        if admitted != self.admitted_bytes:
+            raise InvariantError(f"admitted_bytes {self.admitted_bytes} != sum of admitted entries {admitted}")
         require(self.admitted_bytes <= self.main_bytes, "admitted entries exceed the main region")
         require(self.main_bytes + self.transient_bytes == self.budget_bytes,
                 "main region and transient slot do not add up to the budget")
         for e in self._entries.values():
-            require(e.leases >= 0 and e.pins >= 0, f"negative count in {e!r}")
-            require(e.state is EntryState.RESIDENT or e.leases == 0, f"lease on a loading entry {e!r}")
+            if not (e.leases >= 0 and e.pins >= 0):
+                raise InvariantError(f"negative count in {e!r}")
+            if not (e.state is EntryState.RESIDENT or e.leases == 0):
+                raise InvariantError(f"lease on a loading entry {e!r}")
         self.policy.check({k for k, e in self._entries.items() if not e.transient})

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from iosched._errors import require
+from iosched._errors import InvariantError, require
 
 from ._policy import Capability, Key
 
@@ -85,13 +85,17 @@ class LFUPolicy:
         require(set(self._freqs) == set(self._buckets), "LFU frequency list != buckets")
         seen = 0
         for f, bucket in self._buckets.items():
-            require(bucket, f"LFU bucket {f} is empty")
-            require(f >= 1, f"LFU bucket {f} below 1")
+            if not bucket:
+                raise InvariantError(f"LFU bucket {f} is empty")
+            if f < 1:
+                raise InvariantError(f"LFU bucket {f} below 1")
             for key in bucket:
-                require(self._freq.get(key) == f, f"LFU: {key!r} is in bucket {f}, not its own")
+                if self._freq.get(key) != f:
+                    raise InvariantError(f"LFU: {key!r} is in bucket {f}, not its own")
                 if self.history:
-                    require(f == max(1, self._count.get(key, 0)),
-                            f"LFU: {key!r} is in bucket {f} but was requested {self._count.get(key, 0)} times")
+                    if f != max(1, self._count.get(key, 0)):
+                        raise InvariantError(f"LFU: {key!r} is in bucket {f} but was requested "
+                                             f"{self._count.get(key, 0)} times")
             seen += len(bucket)
         require(seen == len(self._freq), "LFU: a key is in two buckets or none")
 

@@ -59,7 +59,7 @@ from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import ClassVar
 
-from iosched._errors import require
+from iosched._errors import InvariantError, require
 
 from ._policy import BudgetAware, Capability, Key
 from .sketch import CountMinSketch, next_power_of_two
@@ -200,10 +200,10 @@ class WTinyLFUPolicy(BudgetAware):
         require(set(self._where) == keys, "W-TinyLFU segments do not track the resident set")
         total = 0
         for seg_id, seg in enumerate(self._segs):
-            require(all(self._where.get(k) == seg_id for k in seg),
-                    f"W-TinyLFU: a key in segment {seg_id} is recorded elsewhere")
-            require(self._bytes[seg_id] == sum(seg.values()),
-                    f"W-TinyLFU: segment {seg_id}'s bytes do not add up")
+            if not all(self._where.get(k) == seg_id for k in seg):
+                raise InvariantError(f"W-TinyLFU: a key in segment {seg_id} is recorded elsewhere")
+            if self._bytes[seg_id] != sum(seg.values()):
+                raise InvariantError(f"W-TinyLFU: segment {seg_id}'s bytes do not add up")
             total += len(seg)
         require(total == len(self._where), "W-TinyLFU: a key is in two segments or none")
         require(self._bytes[WINDOW] <= self.window_cap, "W-TinyLFU window over its cap")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.asyncio
 
 
 async def _waiter(room: Room, need: int, log: list[int], name: int) -> None:
-    await room.wait(need, room.ticket())
+    await room.wait(("key", name), need, room.ticket())
     log.append(name)
 
 
@@ -39,6 +39,19 @@ async def test_wake_takes_the_oldest_and_pass_below_only_smaller_needs() -> None
     room.wake_all()
     await asyncio.gather(*tasks)
     assert log == [0, 1, 2, 3] and not room
+
+
+async def test_a_waiter_whose_key_starts_loading_joins_without_the_wake_up() -> None:
+    room, log = Room(), list[int]()
+    first = asyncio.create_task(_waiter(room, 10, log, 0))
+    second = asyncio.create_task(_waiter(room, 10, log, 1))
+    await asyncio.sleep(0)
+    room.loading(("key", 1))  # another acquire started loading the second's expert
+    await asyncio.sleep(0)
+    assert log == [1]  # it goes to join that load; the first still waits for room
+    room.wake()
+    await asyncio.gather(first, second)
+    assert log == [1, 0] and all(f.done() for f in room.waiters)
 
 
 async def test_a_cancelled_waiter_passes_on_a_wake_up_it_got() -> None:

@@ -50,18 +50,28 @@ async def _serve(folder: Path, n: int, budget_experts: int, seed: int) -> dict[s
             "us_per_acquire": 1e6 * seconds / n}
 
 
-def measure(acquires: list[int], budget_experts: int, seed: int = 1) -> dict[str, Any]:
-    """One row per count of concurrent acquires, with its time relative to the first row's,
-    scaled by the acquires (1.0: linear)."""
+def measure(acquires: list[int], budget_experts: int, seed: int = 1, reps: int = 5) -> dict[str, Any]:
+    """One row per count of concurrent acquires: the median over ``reps`` runs (the counts
+    interleaved, so a noisy minute spreads over all of them), with its time relative to the
+    first row's, and per acquire relative to the first row's (1.0: linear)."""
     with tempfile.TemporaryDirectory(prefix="iosched-contention-") as tmp:
         folder = write_safetensors_moe(tmp, n_layers=LAYERS, n_experts=EXPERTS, hidden=64, intermediate=32,
                                        dtype="float16")
-        rows = [_runner.run(functools.partial(_serve, folder, n, budget_experts, seed)) for n in acquires]
+        runs: dict[int, list[dict[str, Any]]] = {n: [] for n in acquires}
+        for _ in range(reps):
+            for n in acquires:
+                runs[n].append(_runner.run(functools.partial(_serve, folder, n, budget_experts, seed)))
+    rows = []
+    for n in acquires:
+        ordered = sorted(runs[n], key=lambda row: row["seconds"])
+        row = dict(ordered[len(ordered) // 2])
+        row["runs_seconds"] = [r["seconds"] for r in runs[n]]
+        rows.append(row)
     base = rows[0]
     for row in rows:
         row["time_ratio"] = row["seconds"] / base["seconds"]
         row["per_acquire_ratio"] = row["us_per_acquire"] / base["us_per_acquire"]
-    return {"budget_experts": budget_experts, "rows": rows}
+    return {"budget_experts": budget_experts, "reps": reps, "rows": rows}
 
 
 def add_parser(sub: _command.SubParsers[argparse.ArgumentParser]) -> None:
@@ -72,12 +82,14 @@ def add_parser(sub: _command.SubParsers[argparse.ArgumentParser]) -> None:
     p.add_argument("--budget-experts", type=_command.positive_int, default=2,
                    help="the budget, in experts (default 2)")
     p.add_argument("--seed", type=int, default=1, help="seed of the random keys")
+    p.add_argument("--reps", type=_command.positive_int, default=5,
+                   help="runs per count, interleaved; the median is reported (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args: argparse.Namespace) -> dict[str, Any]:
-    out = measure(args.acquires, args.budget_experts, args.seed)
+    out = measure(args.acquires, args.budget_experts, args.seed, args.reps)
     if not args.json:
         from rich.console import Console
 
