@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -49,7 +49,9 @@ class Acquirer:
 
     def __init__(self, index: CheckpointIndex, table: ResidencyTable, loader: Loader,
                  prefetcher: Prefetcher, ledger: PrefetchLedger, room: Room, lifecycle: Lifecycle,
-                 counts: RequestCounts, growth: AutoGrow | None) -> None:
+                 counts: RequestCounts, growth: AutoGrow | None,
+                 owner: Callable[[], None] = lambda: None) -> None:
+        """``owner()`` raises unless the running loop is the store's (checked before a wait)."""
         self._index = index
         self._layouts: Mapping[ExpertKey, ExpertLayout] = index.experts
         self._table = table
@@ -63,6 +65,7 @@ class Acquirer:
         self._lifecycle = lifecycle
         self.counts = counts
         self._growth = growth
+        self._owner = owner
         self.felt_wait_s = 0.0
         self._waiting = 0
         """Acquires waiting now; the felt wait runs while it is above zero."""
@@ -82,6 +85,27 @@ class Acquirer:
                                      f"(layers {layers[0]}..{layers[-1]})")
         return layout
 
+    def hit(self, key: ExpertKey) -> Entry | None:
+        """``try_hit(layout_of(key))``, inlined: a single acquire's whole hit path."""
+        if type(key) is tuple and len(key) == 2 and type(key[0]) is int and type(key[1]) is int:
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = self.layout_of(key)  # raises, naming the key
+        else:
+            layout = self.layout_of(key)
+        if self._lifecycle.closed:
+            return None
+        entry = self._lease_resident(layout.key)
+        if entry is None:
+            return None
+        counts = self.counts
+        counts.requests += 1
+        counts.hits += 1
+        self._on_request(layout.key, layout.nbytes, True)
+        if self._ledger.unused:
+            self._ledger.leased(entry)
+        return entry
+
     def try_hit(self, layout: ExpertLayout) -> Entry | None:
         if self._lifecycle.closed:
             return None
@@ -98,6 +122,7 @@ class Acquirer:
 
     async def wait_for(self, layout: ExpertLayout) -> Entry:
         """Acquire when the expert is not resident (or the store is closed)."""
+        self._owner()
         self._lifecycle.check_open()
         started = time.perf_counter()
         if self._waiting == 0:

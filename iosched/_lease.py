@@ -2,7 +2,7 @@
 
 A lease holds one reference on a resident entry of the store's residency table; while any
 lease is held the entry cannot be evicted nor its buffer reused.  A lease knows the store
-only through :class:`LeaseSource`, the five operations of the acquire path
+only through :class:`LeaseSource`, the operations of the acquire path
 (``iosched/_acquire.py``), and remembers which entry it holds, so releasing twice is harmless.
 """
 
@@ -27,6 +27,9 @@ class LeaseSource(Protocol):
 
     def try_hit(self, layout: ExpertLayout) -> Entry | None:
         """Lease a resident expert without awaiting; ``None`` when it is not resident."""
+
+    def hit(self, key: ExpertKey) -> Entry | None:
+        """``try_hit(layout_of(key))`` in one call (the single acquire's hit path)."""
 
     async def wait_for(self, layout: ExpertLayout) -> Entry:
         """Lease the expert once it is loaded (joining or starting its load)."""
@@ -57,10 +60,9 @@ class Lease:
         if self._entry is not None:
             raise StoreError(f"lease of {self._key!r} entered twice")
         source = self._source
-        layout = source.layout_of(self._key)
-        entry = source.try_hit(layout)
+        entry = source.hit(self._key)
         if entry is None:
-            entry = await source.wait_for(layout)
+            entry = await source.wait_for(source.layout_of(self._key))
         self._entry = entry
         return _view_of(entry)
 

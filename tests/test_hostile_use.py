@@ -190,7 +190,10 @@ def test_a_store_is_refused_by_a_later_event_loop(st_checkpoint: Path) -> None:
 
     async def later() -> None:
         with pytest.raises(StoreError, match="belongs to the event loop it was opened on"):
-            store.acquire((0, 0))
+            async with store.acquire((0, 0)):  # a miss: the first await would be on the wrong loop
+                pass
+        with pytest.raises(StoreError, match="belongs to the event loop it was opened on"):
+            store.prefetch([(0, 1)])
 
     asyncio.run(later())
 
