@@ -183,16 +183,10 @@ class ExpertStore:
         ``history``: the policy's usage-history file (``moe``/``default`` keep one): read at
         open when it exists, written at ``close()``.
 
-        ``verify``: ``"reads"`` checks every extent read (or mapped) against the checkpoint's
-        manifest before the expert is published; a mismatch is retried on another replica, and
-        on the last one is a :class:`ChecksumError` naming the file, the extent and both
-        checksums (``iosched/_verify.py``); ``"off"`` checks nothing; ``None`` takes the
-        ``verify`` setting (``off``).  ``manifest``: the manifest file (``iosched manifest``),
-        by default ``iosched.manifest.json`` in the checkpoint folder; one given is always
-        matched to the checkpoint (another checkpoint's is a :class:`CheckpointError`).
-        ``verify_mirrors``: at open, compare this many sampled experts of every mirror with the
-        manifest (or the primary, without one); a difference is a ``MirrorError`` (``None``:
-        the ``verify_mirrors`` setting, 0).
+        ``verify="reads"`` checks every extent read against the ``manifest`` (``iosched
+        manifest``; a mismatch fails over, on the last replica a :class:`ChecksumError`);
+        ``verify_mirrors`` samples that many experts of every mirror at open
+        (``iosched/_verify.py``).  Every argument: ``docs/contract.md``.
 
         Raises :class:`StoreError` subclasses naming the culprit: a missing or malformed
         file, a mirror that does not match, a bad budget, an unknown backend or policy.
@@ -391,15 +385,9 @@ class ExpertStore:
     def _check_loop(self) -> None:
         """A store belongs to the event loop it was opened on: its futures, tasks and queues
         are that loop's, and used from another thread or loop they would hang or corrupt the
-        bookkeeping.  So such a use is a :class:`StoreError` at once.  A synchronous call from
-        the loop's own thread while the loop is not running (between two ``run_until_complete``)
-        is the loop's too.  (``stats()`` and ``statistics()`` only read counters and may be
-        called from any thread, as the Prometheus exporter does.)
-
-        ``acquire`` and ``acquire_many`` compare only the thread (the hit path: 35 ns, where
-        the running loop costs 180 ns); the acquire path checks the loop itself before it
-        awaits anything, so an acquire from another loop of the same thread still fails at its
-        first miss, and a hit there, which touches no loop, is served."""
+        bookkeeping: a :class:`StoreError` at once (docs/design.md, "Event loops": the hit path
+        compares the thread alone; ``stats()`` may be called from any thread).  A synchronous
+        call from the loop's thread while the loop is not running is the loop's too."""
         loop = _running_loop()
         if loop is self._loop or (loop is None and threading.get_ident() == self._thread):
             return
