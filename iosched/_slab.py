@@ -30,6 +30,8 @@ import mmap
 import weakref
 from collections import defaultdict, deque
 
+from ._errors import InvariantError
+
 PAGE = mmap.PAGESIZE
 
 log = logging.getLogger("iosched")
@@ -255,8 +257,8 @@ class SlabPool:
             while free and self.idle_bytes > max_idle_bytes:
                 free.pop().close()
                 self.idle_bytes -= capacity
-        if self.idle_bytes > max_idle_bytes:  # pragma: no cover - arithmetic guard
-            raise AssertionError("slab pool trim left too many idle bytes")
+        if self.idle_bytes > max_idle_bytes:  # an arithmetic guard
+            raise InvariantError("slab pool trim left too many idle bytes")
 
     def idle_exported(self) -> int:
         """Idle slabs something still exports: 0 unless a bug recycled a slab in use

@@ -44,7 +44,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from iosched._errors import require
+from iosched._errors import InvariantError, require
 
 from ._policy import Capability, Key
 
@@ -115,11 +115,11 @@ class BeladyPolicy:
         self._unpark()
         i = self._cursor
         if i >= len(self._keys):
-            raise AssertionError(f"request {i} for {key!r} past the end of the "
+            raise InvariantError(f"request {i} for {key!r} past the end of the "
                                  f"{len(self._keys)}-request sequence Belady was built with")
         expected = self._keys[i]
         if expected != key:
-            raise AssertionError(f"request {i} is {key!r}, but the sequence Belady was built "
+            raise InvariantError(f"request {i} is {key!r}, but the sequence Belady was built "
                                  f"with has {expected!r} there")
         self._cursor = i + 1
         nxt = self._next[i]

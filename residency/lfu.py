@@ -69,7 +69,7 @@ class LFUPolicy:
 
     def on_insert(self, key: Key, nbytes: int) -> None:
         if key in self._freq:
-            raise AssertionError(f"LFU: insert of {key!r}, which is already resident")
+            raise InvariantError(f"LFU: insert of {key!r}, which is already resident")
         self._link(key, self.frequency(key))
 
     def on_remove(self, key: Key) -> None:

@@ -173,7 +173,7 @@ class WTinyLFUPolicy(BudgetAware):
 
     def on_insert(self, key: Key, nbytes: int) -> None:
         if key in self._where:
-            raise AssertionError(f"W-TinyLFU: insert of {key!r}, which is already resident")
+            raise InvariantError(f"W-TinyLFU: insert of {key!r}, which is already resident")
         self._where[key] = WINDOW
         self._segs[WINDOW][key] = nbytes
         self._bytes[WINDOW] += nbytes

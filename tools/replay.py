@@ -408,7 +408,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                     out.oversize += 1
                 else:
                     if entry is None:
-                        raise AssertionError(f"reserve of {key!r} found no room, but nothing is "
+                        raise InvariantError(f"reserve of {key!r} found no room, but nothing is "
                                              "leased or loading in a simulation")
                     publish(entry)
                     if entry.transient:
@@ -453,7 +453,7 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
     table = build_table(policy, reqs, budget)
     run = drive(table, reqs, token_budget_bytes=token_budget_bytes, check_every=check_every)
     if isinstance(policy, BeladyPolicy) and not policy.finished:
-        raise AssertionError(f"Belady saw {policy.cursor} of {len(reqs)} requests")
+        raise InvariantError(f"Belady saw {policy.cursor} of {len(reqs)} requests")
     row = _row(policy_name, cycles, budget, reqs, run.flags, time.perf_counter() - t0)
     row.update(admissions=table.admissions, rejections=table.rejections,
                evictions=table.evictions, resident_bytes=table.used_bytes,
