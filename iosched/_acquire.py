@@ -85,27 +85,6 @@ class Acquirer:
                                      f"(layers {layers[0]}..{layers[-1]})")
         return layout
 
-    def hit(self, key: ExpertKey) -> Entry | None:
-        """``try_hit(layout_of(key))``, inlined: a single acquire's whole hit path."""
-        if type(key) is tuple and len(key) == 2 and type(key[0]) is int and type(key[1]) is int:
-            layout = self._layouts.get(key)
-            if layout is None:
-                layout = self.layout_of(key)  # raises, naming the key
-        else:
-            layout = self.layout_of(key)
-        if self._lifecycle.closed:
-            return None
-        entry = self._lease_resident(layout.key)
-        if entry is None:
-            return None
-        counts = self.counts
-        counts.requests += 1
-        counts.hits += 1
-        self._on_request(layout.key, layout.nbytes, True)
-        if self._ledger.unused:
-            self._ledger.leased(entry)
-        return entry
-
     def try_hit(self, layout: ExpertLayout) -> Entry | None:
         if self._lifecycle.closed:
             return None

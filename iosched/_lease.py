@@ -28,9 +28,6 @@ class LeaseSource(Protocol):
     def try_hit(self, layout: ExpertLayout) -> Entry | None:
         """Lease a resident expert without awaiting; ``None`` when it is not resident."""
 
-    def hit(self, key: ExpertKey) -> Entry | None:
-        """``try_hit(layout_of(key))`` in one call (the single acquire's hit path)."""
-
     async def wait_for(self, layout: ExpertLayout) -> Entry:
         """Lease the expert once it is loaded (joining or starting its load)."""
 
@@ -60,9 +57,10 @@ class Lease:
         if self._entry is not None:
             raise StoreError(f"lease of {self._key!r} entered twice")
         source = self._source
-        entry = source.hit(self._key)
+        layout = source.layout_of(self._key)
+        entry = source.try_hit(layout)
         if entry is None:
-            entry = await source.wait_for(source.layout_of(self._key))
+            entry = await source.wait_for(layout)
         self._entry = entry
         return _view_of(entry)
 
