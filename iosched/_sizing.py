@@ -27,8 +27,7 @@ import weakref
 from ._errors import BudgetError
 from ._layout import CheckpointIndex
 
-__all__ = ["AUTO_FRACTION", "auto_budget", "cycle_stats", "mem_available", "token_cycle_bytes",
-           "whole_cycles"]
+__all__ = ["AUTO_FRACTION", "auto_budget", "mem_available", "token_cycle_bytes", "whole_cycles"]
 
 AUTO_FRACTION = 0.5
 """The share of ``MemAvailable`` that ``budget="auto"`` may take.
@@ -128,15 +127,3 @@ def mem_total(path: str = _MEMINFO) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def cycle_stats(index: CheckpointIndex, budget_bytes: int) -> dict[str, int | float | None]:
-    """The statistics keys of self-sizing: ``experts_per_token`` (k, ``None`` when unknown),
-    ``td_bytes`` (one token cycle, ``None`` when k is unknown) and ``budget_cycles`` (the
-    budget in cycles, a float so that a budget below one cycle shows as such; ``None`` when
-    k is unknown)."""
-    k = index.experts_per_token
-    if k is None:
-        return {"experts_per_token": None, "td_bytes": None, "budget_cycles": None}
-    td = token_cycle_bytes(index, k)
-    return {"experts_per_token": k, "td_bytes": td, "budget_cycles": budget_bytes / td if td else None}

@@ -55,7 +55,6 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
     counts = acquirer.counts
     hooks: Hooks = table.hooks
     pacer = prefetcher.pacer
-    loader.reclaim()
     retired = loader.pool.retired
     td = described.td_bytes
     budget_cycles = table.budget_bytes / td if td else None

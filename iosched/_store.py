@@ -353,7 +353,11 @@ class ExpertStore:
             self._telemetry.record(self.stats())
 
     def statistics(self) -> StoreStats:
-        """Every counter of the store now, as one deeply frozen record."""
+        """Every counter of the store now, as one deeply frozen record.  From the store's own
+        thread it first takes back the retired slabs whose last view died (so ``retired_*``
+        are current); from another thread (a metrics exporter) it only reads."""
+        if _thread_ident() == self._thread:
+            self._loader.reclaim()
         return snapshot(index=self._index, table=self._table, io=self._io, acquirer=self._acquirer,
                         loader=self._loader, prefetcher=self._prefetcher, ledger=self._ledger,
                         growth=self._growth, usage=self._usage, described=self._described,
