@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore
+from iosched import ExpertStore, load_index
 
 from . import _command, _runner
 from .synth import write_safetensors_moe
@@ -31,8 +31,7 @@ LAYERS, EXPERTS = 4, 8
 
 
 async def _serve(folder: Path, n: int, budget_experts: int, seed: int) -> dict[str, Any]:
-    async with await ExpertStore.open(folder, budget_bytes=1 << 30, backend="pread", policy="lru") as probe:
-        one = max(layout.nbytes for layout in probe.index.experts.values())
+    one = max(layout.nbytes for layout in load_index(folder).experts.values())
     rng = random.Random(seed)
     keys = [(rng.randrange(LAYERS), rng.randrange(EXPERTS)) for _ in range(n)]
     async with await ExpertStore.open(folder, budget_bytes=budget_experts * one, backend="pread",
