@@ -11,6 +11,9 @@ layout gets every check by calling :func:`build_index` (and :func:`parse_id`,
 * sizes: an expert tensor holds at least one byte (a zero-byte one is malformed: it would let
   a header claim any number of experts for free);
 * one tensor per (expert, canonical name), so an engine can look tensors up by role;
+* complete experts: every expert of a layer holds the same tensors (names, dtypes, shapes),
+  and every MoE layer the same names, so an expert missing a projection is refused by name
+  rather than served short;
 * the expert grid: the experts of every MoE layer are exactly ``0..E-1``, the same ``E`` in
   every layer, at most :data:`MAX_EXPERTS_PER_LAYER`, and equal to the expert count the
   metadata states (``config.json``, GGUF ``{arch}.expert_count``) when it states one; so the
@@ -28,14 +31,23 @@ read padding bytes the buffer layout has no place for.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from iosched._errors import CheckpointError
-from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
+from iosched._layout import (
+    CheckpointIndex,
+    DerivedTensor,
+    ExpertKey,
+    ExpertLayout,
+    Extent,
+    GgmlType,
+    SkippedTensors,
+    TensorSpec,
+)
 from iosched._untrusted import quote
 
 EXPECTED_NAMES = (
@@ -77,6 +89,25 @@ class RawExpertTensor:
     path: str
     offset: int
     nbytes: int
+    ggml_type: GgmlType | None = None
+    """The GGML type of a GGUF tensor."""
+    derived: tuple[DerivedTensor, ...] = ()
+    """Zero-copy views of this tensor the expert's view also exposes (``parent`` is ``name``)."""
+
+
+@dataclass(frozen=True)
+class IndexNotes:
+    """What a format reader says about a checkpoint besides its expert tensors (all optional):
+    the metadata's counts and where they came from, what it skipped, its warnings."""
+
+    experts_per_token: int | None = None
+    k_source: str = ""
+    k_by_layer: Mapping[int, int] | None = None
+    n_experts: int | None = None
+    e_source: str = ""
+    skipped: tuple[SkippedTensors, ...] = ()
+    notes: tuple[str, ...] = ()
+    architecture: str = ""
 
 
 def parse_id(digits: str, kind: str, path: object, tensor: str) -> int:
@@ -112,6 +143,8 @@ def build_index(
     k_source: str = "",
     n_experts: int | None = None,
     e_source: str = "",
+    *,
+    notes: IndexNotes | None = None,
 ) -> CheckpointIndex:
     """Validate ``raws`` and lay them out per expert.
 
@@ -127,9 +160,16 @@ def build_index(
     tensors of one expert with the same canonical name, or an expert grid that is not
     ``0..E-1`` in every layer (module docstring).
     """
+    if notes is not None:  # the readers' newer spelling: everything in one record
+        experts_per_token, k_source = notes.experts_per_token, notes.k_source
+        n_experts, e_source = notes.n_experts, notes.e_source
     raws = list(raws)
     if not raws:
-        raise CheckpointError(f"no expert tensors found in {root}; expected names like {EXPECTED_NAMES}")
+        found = ""
+        if notes is not None and notes.skipped:
+            found = "; found instead: " + "; ".join(
+                f"{s.count} {s.kind} tensors (e.g. {quote(s.example)}): {s.reason}" for s in notes.skipped)
+        raise CheckpointError(f"no expert tensors found in {root}; expected names like {EXPECTED_NAMES}{found}")
     check_tensor_count(len(raws), root)
     files = tuple(sorted({r.path for r in raws}))
     file_index = {path: i for i, path in enumerate(files)}
@@ -140,6 +180,10 @@ def build_index(
     for r in raws:
         by_key.setdefault((r.layer, r.expert), []).append(r)
     fewest = check_expert_grid(by_key, root, n_experts, e_source)
+    check_complete_experts(by_key, root)
+    k_by_layer = notes.k_by_layer if notes is not None else None
+    if k_by_layer is not None:
+        experts_per_token = _check_k_by_layer(by_key, k_by_layer, k_source or root)
     if experts_per_token is not None and experts_per_token > fewest:
         raise CheckpointError(
             f"{k_source or root}: experts per token is {experts_per_token}, more than {fewest} "
@@ -147,8 +191,82 @@ def build_index(
     experts = {key: _layout_expert(key, by_key[key], file_index) for key in sorted(by_key)}
     return CheckpointIndex(
         format=fmt, root=root, files=files, file_sizes=file_sizes, experts=experts,
-        experts_per_token=experts_per_token,
+        experts_per_token=experts_per_token, k_source=k_source if experts_per_token is not None else "",
+        k_by_layer=k_by_layer,
+        skipped=notes.skipped if notes is not None else (),
+        notes=notes.notes if notes is not None else (),
+        architecture=notes.architecture if notes is not None else "",
     )
+
+
+def _check_k_by_layer(by_key: dict[ExpertKey, list[RawExpertTensor]], k_by_layer: Mapping[int, int],
+                      where: str) -> int:
+    """The largest k of a per-layer list, after checking each MoE layer's k against its experts
+    (a layer the list leaves out, or a k above that layer's count, is an error)."""
+    counts: dict[int, int] = {}
+    for layer, _ in by_key:
+        counts[layer] = counts.get(layer, 0) + 1
+    for layer in sorted(counts):
+        k = k_by_layer.get(layer)
+        if k is None:
+            raise CheckpointError(f"{where}: gives experts per token per layer but not for MoE layer {layer}")
+        if k > counts[layer]:
+            raise CheckpointError(f"{where}: experts per token of layer {layer} is {k}, more than its "
+                                  f"{counts[layer]} experts")
+    return max(k_by_layer[layer] for layer in counts)
+
+
+def check_complete_experts(by_key: dict[ExpertKey, list[RawExpertTensor]], root: str) -> None:
+    """Every expert of a layer holds the same tensors (canonical names, dtypes, shapes) and every
+    MoE layer the same names; otherwise a :class:`CheckpointError` naming the expert, the
+    missing or disagreeing tensor and a file holding it."""
+    first_of_layer: dict[int, tuple[ExpertKey, dict[str, RawExpertTensor]]] = {}
+    model_names: tuple[int, frozenset[str]] | None = None
+    for key in sorted(by_key):
+        tensors = {r.name: r for r in by_key[key]}
+        ref = first_of_layer.get(key[0])
+        if ref is None:
+            first_of_layer[key[0]] = (key, tensors)
+            names = frozenset(tensors)
+            if model_names is None:
+                model_names = (key[0], names)
+            elif names != model_names[1]:
+                other = model_names[0]
+                odd = sorted(names ^ model_names[1])
+                r0 = next(iter(tensors.values()))
+                raise CheckpointError(
+                    f"{root}: the experts of layer {key[0]} hold {_names(names)} but those of layer {other} "
+                    f"hold {_names(model_names[1])} (differ in {_names(odd)}; e.g. {quote(r0.source_name)} "
+                    f"in {r0.path}): every MoE layer's experts must hold the same tensors")
+            continue
+        ref_key, ref_tensors = ref
+        for name, r in ref_tensors.items():
+            mine = tensors.get(name)
+            if mine is None:
+                raise CheckpointError(
+                    f"{root}: expert (layer {key[0]}, expert {key[1]}) has no {quote(name)} tensor, which "
+                    f"expert {ref_key[1]} of its layer has ({quote(r.source_name)} in {r.path}): an "
+                    "incomplete expert cannot be served")
+            if mine.shape != r.shape or mine.dtype != r.dtype or mine.ggml_type != r.ggml_type:
+                raise CheckpointError(
+                    f"{mine.path}: tensor {quote(mine.source_name)} is {_kind(mine)} but "
+                    f"{quote(r.source_name)} of the same layer is {_kind(r)}: the experts of a layer "
+                    "must agree")
+        extra = sorted(set(tensors) - set(ref_tensors))
+        if extra:
+            r = tensors[extra[0]]
+            raise CheckpointError(
+                f"{root}: expert (layer {key[0]}, expert {key[1]}) has a {quote(extra[0])} tensor "
+                f"({quote(r.source_name)} in {r.path}) that expert {ref_key[1]} of its layer lacks")
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(quote(n) for n in sorted(names))
+
+
+def _kind(r: RawExpertTensor) -> str:
+    t = f" ({r.ggml_type.name})" if r.ggml_type is not None else ""
+    return f"{r.dtype}{list(r.shape)}{t}"
 
 
 def _check_bytes(raws: list[RawExpertTensor], file_sizes: tuple[int, ...], file_index: dict[str, int]) -> None:
@@ -246,6 +364,7 @@ def _layout_expert(
     ordered = sorted(raws, key=lambda r: (file_index[r.path], r.offset, r.nbytes, r.name))
     tensors: list[TensorSpec] = []
     extents: list[Extent] = []
+    derived: list[DerivedTensor] = []
     pos = 0
     for r in ordered:
         f = file_index[r.path]
@@ -259,15 +378,18 @@ def _layout_expert(
                 nbytes=r.nbytes,
                 buf_offset=pos,
                 source_name=r.source_name,
+                ggml_type=r.ggml_type,
             )
         )
+        derived.extend(d for d in r.derived if d.name not in seen)
         last = extents[-1] if extents else None
         if last is not None and last.file == f and last.offset + last.length == r.offset:
             extents[-1] = Extent(file=f, offset=last.offset, length=last.length + r.nbytes)
         else:
             extents.append(Extent(file=f, offset=r.offset, length=r.nbytes))
         pos += r.nbytes
-    return ExpertLayout(key=key, tensors=tuple(tensors), extents=tuple(extents), nbytes=pos)
+    return ExpertLayout(key=key, tensors=tuple(tensors), extents=tuple(extents), nbytes=pos,
+                        derived=tuple(derived))
 
 
 def _file_size(path: str) -> int:

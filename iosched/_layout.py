@@ -14,12 +14,51 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 ExpertKey = tuple[int, int]
 """(layer, expert)."""
+
+
+@dataclass(frozen=True)
+class GgmlType:
+    """A GGUF tensor's GGML type: what an engine needs to decode its bytes (``Q4_K``: blocks
+    of 256 values in 144 bytes).  ``name`` is ``gguf.GGMLQuantizationType``'s member name;
+    ``block_size`` values are stored in ``type_size`` bytes (``gguf.GGML_QUANT_SIZES``)."""
+
+    name: str
+    block_size: int
+    type_size: int
+
+
+@dataclass(frozen=True)
+class DerivedTensor:
+    """A zero-copy view of another tensor of the same expert: ``tensors[name]`` is
+    ``tensors[parent][..., start:stop:step, ...]`` on ``axis``.  Fused checkpoints hold
+    ``gate_up_proj``; its halves (or, interleaved, its even and odd columns) are the
+    ``gate_proj`` and ``up_proj`` an engine may look up by role without a copy."""
+
+    name: str
+    parent: str
+    axis: int
+    start: int
+    stop: int
+    step: int = 1
+
+
+@dataclass(frozen=True)
+class SkippedTensors:
+    """Tensors the index left out on purpose, one line per kind (``iosched inspect``)."""
+
+    kind: str
+    """``dense``, ``shared_expert``, ``router``, ``mtp``, ``tower`` (vision/audio), ``other``..."""
+    reason: str
+    count: int
+    example: str
+    """One of the tensors' names in the checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +78,8 @@ class TensorSpec:
     """Where the tensor starts inside the expert's buffer."""
     source_name: str = ""
     """The tensor's name in the checkpoint (for error messages)."""
+    ggml_type: GgmlType | None = None
+    """The GGML type of a GGUF tensor (``None`` for safetensors)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +97,17 @@ class ExpertLayout:
     tensors: tuple[TensorSpec, ...]
     extents: tuple[Extent, ...]
     nbytes: int
+    derived: tuple[DerivedTensor, ...] = ()
+    """Zero-copy views of ``tensors`` the view also exposes (fused ``gate_up_proj`` halves)."""
+    ggml_types: Mapping[str, GgmlType] = field(default_factory=lambda: MappingProxyType({}),
+                                               compare=False, repr=False)
+    """Tensor name -> GGML type, for the GGUF tensors (built once, shared by every view)."""
+
+    def __post_init__(self) -> None:
+        if not self.ggml_types:
+            types = {t.name: t.ggml_type for t in self.tensors if t.ggml_type is not None}
+            if types:
+                object.__setattr__(self, "ggml_types", MappingProxyType(types))
 
 
 @dataclass(frozen=True)
@@ -71,7 +123,18 @@ class CheckpointIndex:
     experts_per_token: int | None = None
     """Experts routed per token in each MoE layer (k), from the checkpoint's own metadata:
     ``config.json`` beside safetensors shards, ``{arch}.expert_used_count`` in GGUF; ``None``
-    when the checkpoint does not say. ``ExpertStore.open(experts_per_token=...)`` overrides it."""
+    when the checkpoint does not say. ``ExpertStore.open(experts_per_token=...)`` overrides it.
+    With a per-layer k (``k_by_layer``) it is the largest."""
+    k_source: str = ""
+    """Where ``experts_per_token`` came from (file and key), for ``iosched inspect``."""
+    k_by_layer: Mapping[int, int] | None = None
+    """k of each MoE layer when the metadata states it per layer (a list), else ``None``."""
+    skipped: tuple[SkippedTensors, ...] = ()
+    """What the reader left out on purpose (dense layers, shared experts, routers, MTP ...)."""
+    notes: tuple[str, ...] = ()
+    """Warnings and remarks about the checkpoint (an ``mmproj`` file ignored ...)."""
+    architecture: str = ""
+    """``config.json``'s ``model_type`` or GGUF ``general.architecture``, when stated."""
 
     def layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.experts})

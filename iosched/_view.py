@@ -8,7 +8,7 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from ._layout import ExpertKey, ExpertLayout
+from ._layout import ExpertKey, ExpertLayout, GgmlType
 
 
 class ExpertView:
@@ -30,19 +30,31 @@ class ExpertView:
     memory: the budget bounds resident experts, and bytes an engine keeps referenced past their
     lease are the engine's.  Copy what you keep for long (``np.array(view.data)``), and do not
     keep raw addresses (``arr.ctypes.data``): an address is no reference.
+
+    ``ggml_types`` maps each GGUF tensor's name to its :class:`GgmlType` (a quantized tensor
+    comes back as its raw bytes, ``uint8`` with the last axis counting bytes; the type says how
+    to decode them); it is empty for safetensors checkpoints.  ``layout`` is where the bytes
+    came from (files, offsets, extents).
     """
 
-    __slots__ = ("key", "data", "tensors")
+    __slots__ = ("key", "data", "tensors", "layout")
 
     def __init__(
         self,
         key: ExpertKey,
         data: npt.NDArray[np.uint8],
         tensors: Mapping[str, npt.NDArray[np.generic]],
+        layout: ExpertLayout | None = None,
     ) -> None:
         self.key = key
         self.data = data
         self.tensors = tensors
+        self.layout = layout
+
+    @property
+    def ggml_types(self) -> Mapping[str, GgmlType]:
+        """Tensor name -> GGML type (GGUF tensors only; see the class docstring)."""
+        return self.layout.ggml_types if self.layout is not None else MappingProxyType({})
 
     @classmethod
     def over(cls, layout: ExpertLayout, buffer: memoryview) -> ExpertView:
@@ -58,7 +70,11 @@ class ExpertView:
         for t in layout.tensors:
             end = t.buf_offset + t.nbytes // t.dtype.itemsize * t.dtype.itemsize
             tensors[t.name] = data[t.buf_offset:end].view(t.dtype).reshape(t.shape)
-        return cls(layout.key, data, MappingProxyType(tensors))
+        for d in layout.derived:
+            parent = tensors[d.parent]
+            index = (slice(None),) * d.axis + (slice(d.start, d.stop, d.step),)
+            tensors[d.name] = parent[index]
+        return cls(layout.key, data, MappingProxyType(tensors), layout)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={v.dtype}{list(v.shape)}" for k, v in self.tensors.items())
