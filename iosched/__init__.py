@@ -25,7 +25,16 @@ from ._errors import (
     UnknownExpertError,
 )
 from ._growth import GrowthDecision, GrowthStats, GrowthStep
-from ._layout import CheckpointIndex, ExpertKey, ExpertLayout, Extent, TensorSpec
+from ._layout import (
+    CheckpointIndex,
+    DerivedTensor,
+    ExpertKey,
+    ExpertLayout,
+    Extent,
+    GgmlType,
+    SkippedTensors,
+    TensorSpec,
+)
 from ._lease import Lease, LeaseGroup
 from ._manifest import ManifestSummary, default_manifest_path, write_manifest
 from ._settings import override as override_settings
@@ -39,12 +48,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "ChecksumError",
+    "DerivedTensor",
     "DeviceStats",
     "ExpertKey",
     "ExpertLayout",
     "ExpertStore",
     "ExpertView",
     "Extent",
+    "GgmlType",
     "GrowthDecision",
     "GrowthStats",
     "GrowthStep",
@@ -55,6 +66,7 @@ __all__ = [
     "ReadError",
     "ReplicaStats",
     "RequestTally",
+    "SkippedTensors",
     "StoreClosed",
     "StoreError",
     "StoreStats",
