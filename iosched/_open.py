@@ -298,7 +298,8 @@ async def assemble(args: OpenArgs) -> StoreParts:
         if args.experts_per_token > fewest:  # as config.json's k is checked
             raise BudgetError(f"experts_per_token={args.experts_per_token} is more than the "
                               f"{fewest} experts of a layer of {index.root}")
-        index = dataclasses.replace(index, experts_per_token=args.experts_per_token)
+        index = dataclasses.replace(index, experts_per_token=args.experts_per_token,
+                                    k_source="ExpertStore.open(experts_per_token=...)", k_by_layer=None)
     verification = await asyncio.to_thread(_verify.prepare, index, args.verify, args.manifest,
                                            args.verify_mirrors)
     budget = await _sized_budget(args, index)
