@@ -103,6 +103,8 @@ _SKIP_KINDS: tuple[tuple[str, re.Pattern[str], str], ...] = (
 _MTP_REASON = ("NextN/MTP draft layers predict further tokens; the model's forward pass does not "
                "route through them (llama.cpp loads them aside)")
 _FUSED_ROLES = ("gate", "up")
+_PROJECTOR_ARCH = "clip"
+"""``general.architecture`` of a multimodal projector (llama.cpp's ``MODEL_ARCH.CLIP``)."""
 
 
 @dataclass(frozen=True)
@@ -154,32 +156,35 @@ def read_gguf(path: Path) -> GgufFound:
 
 def read_gguf_folder(folder: Path, names: list[str]) -> GgufFound:
     """The experts of the one GGUF model in ``folder`` (``names``: its entries): a lone file or
-    one split set; multimodal projectors (``mmproj*.gguf``) beside it are left out with a note.
-    Anything else (two models, only a projector) is refused, naming the files."""
+    one split set. Multimodal projectors beside it are left out with a note: files named
+    ``mmproj*`` (llama.cpp's name for them) and, when more than one model would be left, files
+    whose ``general.architecture`` is ``clip`` (what llama.cpp writes projectors as). Anything
+    else (two models, only a projector) is refused, naming the files."""
     ggufs = sorted(n for n in names if n.endswith(".gguf"))
-    projectors = [n for n in ggufs if "mmproj" in n.lower()]
+    projectors = [n for n in ggufs if n.lower().startswith("mmproj")]
     models = [n for n in ggufs if n not in projectors]
+    sets, singles = _group(models)
+    headers: dict[str, GgufHeader] = {}
+    if len(singles) + len(sets) > 1:  # a projector under another name?
+        for n in singles:
+            headers[n] = read_header(folder / n)
+            if headers[n].values.get("general.architecture") == _PROJECTOR_ARCH:
+                projectors.append(n)
+        models = [n for n in models if n not in projectors]
+        sets, singles = _group(models)
     notes = tuple(f"{folder / n}: left out, a multimodal projector (mmproj) file, not the model's experts"
-                  for n in projectors)
+                  for n in sorted(projectors))
     if not models:
         raise CheckpointError(
             f"checkpoint folder {folder} holds only multimodal projector GGUF files "
-            f"({', '.join(projectors)}), no model")
-    sets: dict[tuple[str, int], list[str]] = {}
-    singles: list[str] = []
-    for n in models:
-        m = SPLIT_RE.fullmatch(n)
-        if m is None:
-            singles.append(n)
-        else:
-            sets.setdefault((m.group(1), int(m.group(3))), []).append(n)
+            f"({', '.join(sorted(projectors))}), no model")
     if len(singles) + len(sets) > 1:
         raise CheckpointError(
             f"checkpoint folder {folder} holds {len(singles) + len(sets)} GGUF models ({', '.join(models)}); "
             "pass the one to use")
     if singles:
         path = folder / singles[0]
-        header = read_header(path)
+        header = headers.get(singles[0]) or read_header(path)
         count = header.values.get("split.count")
         if isinstance(count, int) and not isinstance(count, bool) and count > 1:
             raise CheckpointError(
@@ -188,6 +193,19 @@ def read_gguf_folder(folder: Path, names: list[str]) -> GgufFound:
         return _index([path], [header], notes)
     (prefix, total), = sets
     return _index_split(folder, prefix, total, names, notes)
+
+
+def _group(models: list[str]) -> tuple[dict[tuple[str, int], list[str]], list[str]]:
+    """``models`` as split sets (by name prefix and shard count) and lone files."""
+    sets: dict[tuple[str, int], list[str]] = {}
+    singles: list[str] = []
+    for n in models:
+        m = SPLIT_RE.fullmatch(n)
+        if m is None:
+            singles.append(n)
+        else:
+            sets.setdefault((m.group(1), int(m.group(3))), []).append(n)
+    return sets, singles
 
 
 def _index_split(folder: Path, prefix: str, total: int, names: list[str], notes: tuple[str, ...]) -> GgufFound:
