@@ -145,8 +145,8 @@ def read_gguf(path: Path) -> GgufFound:
         count = header.values.get("split.count")
         if isinstance(count, int) and not isinstance(count, bool) and count > 1:
             raise CheckpointError(
-                f"{path}: this file is shard {quote(header.values.get('split.no'))} of a split GGUF of "
-                f"{count} shards (key 'split.count'), but its name does not follow the shard pattern "
+                f"{path}: this file is one shard (split.no {quote(header.values.get('split.no'))}) of a split "
+                f"GGUF of {count} shards (key 'split.count'), but its name does not follow the shard pattern "
                 "NAME-00001-of-0000N.gguf, so the rest of the set cannot be found: opening it alone "
                 "would serve a subset of the experts")
         return _index([path], [header], ())
@@ -226,16 +226,18 @@ def _index_split(folder: Path, prefix: str, total: int, names: list[str], notes:
     headers = [read_header(p) for p in paths]
     n_tensors = sum(len(h.tensors) for h in headers)
     arch = headers[0].values.get("general.architecture")
-    for i, (p, h) in enumerate(zip(paths, headers, strict=True)):
-        for key, want in (("split.count", total), ("split.no", i), ("split.tensors.count", n_tensors)):
-            got = h.values.get(key)
-            if got != want or isinstance(got, bool):
-                raise CheckpointError(
-                    f"{p}: key {quote(key)} is {quote(got)}, but this is shard {i + 1} of a set of {total} "
-                    f"holding {n_tensors} tensors in all (it should be {want}): the shards do not belong "
-                    "together")
+    shards = list(enumerate(zip(paths, headers, strict=True)))
+    checks = [(i, p, h, key, want) for i, (p, h) in shards for key, want in (("split.count", total), ("split.no", i))]
+    checks += [(i, p, h, "split.tensors.count", n_tensors) for i, (p, h) in shards]
+    for i, p, h, key, want in checks:  # each shard's place first: a stray shard is named as such
+        got = h.values.get(key)
+        if got != want or isinstance(got, bool):
+            raise CheckpointError(
+                f"{p}: key {quote(key)} is {quote(got)}, but this is shard {i + 1} of a set of {total} "
+                f"holding {n_tensors} tensors in all (it should be {want}): the shards do not belong together")
+    for _, (p, h) in shards[1:]:
         other = h.values.get("general.architecture")
-        if i and other is not None and other != arch:
+        if other is not None and other != arch:
             raise CheckpointError(f"{p}: general.architecture is {quote(other)} but the first shard "
                                   f"{paths[0].name} says {quote(arch)}")
     return _index(paths, headers, notes)
