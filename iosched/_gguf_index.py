@@ -267,7 +267,7 @@ def _index(paths: list[Path], headers: list[GgufHeader], remarks: tuple[str, ...
 
     raws: list[RawExpertTensor] = []
     skipped: dict[str, list[str]] = {}
-    layer_e: dict[int, GgufTensor] = {}
+    first_merged: list[tuple[GgufTensor, int]] = []  # the model's expert count, for every other merged tensor
     roles: dict[int, dict[tuple[str, str], tuple[Path, GgufTensor]]] = {}
     seen: dict[str, Path] = {}
     for path, header in zip(paths, headers, strict=True):
@@ -292,11 +292,13 @@ def _index(paths: list[Path], headers: list[GgufHeader], remarks: tuple[str, ...
                     skipped.setdefault(kind, []).append(t.name)
                 continue
             role, suffix = m.group(2), m.group(3)
-            n_expert = _check_expert_axis(path, t, layer_e, n_experts, e_source)
-            layer_e.setdefault(layer, t)
+            dtype, full = _model_dtype_shape(path, t)
+            n_expert = _check_expert_axis(path, t, full, first_merged[0] if first_merged else None, n_experts,
+                                          e_source)
+            first_merged[:1] = first_merged[:1] or [(t, n_expert)]
             roles.setdefault(layer, {})[(role, suffix)] = (path, t)
             name = f"{role}_proj" if suffix == "weight" else f"{role}_proj.{suffix}"
-            dtype, shape = _model_dtype_shape(t)
+            shape = full[1:]
             per = _expert_bytes(path, t, n_expert, shape, dtype)
             derived = _halves(path, t, name, suffix, shape) if role == "gate_up" else ()
             check_tensor_count(len(raws) + n_expert, path)
@@ -339,23 +341,26 @@ def _mtp_layers(paths: list[Path], headers: list[GgufHeader], blocks: int | None
     return out
 
 
-def _model_dtype_shape(t: GgufTensor) -> tuple[np.dtype[Any], tuple[int, ...]]:
-    """One expert's dtype and shape as the model defines them: BF16 as ``bfloat16`` (the
-    reader's last axis counts its bytes, two a value), everything else as the reader gives it."""
-    shape = t.shape[1:]
-    if t.ggml_type.name == "BF16" and _BF16 is not None and shape:
-        return _BF16, (*shape[:-1], shape[-1] // 2)
-    return t.dtype, shape
+def _model_dtype_shape(path: Path, t: GgufTensor) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """The merged tensor's dtype and shape as the model defines them: BF16 as ``bfloat16`` (the
+    reader's last axis counts its bytes, two a value), everything else as the reader gives it.
+    A quantized (block) vector is refused: its blocks would straddle the experts."""
+    if t.ggml_type.name == "BF16" and _BF16 is not None and t.shape:
+        return _BF16, (*t.shape[:-1], t.shape[-1] // 2)
+    if t.ggml_type.block_size > 1 and len(t.shape) < 2:
+        raise CheckpointError(f"{path}: merged expert tensor {quote(t.name)} is a {t.ggml_type.name} vector: "
+                              "its blocks of values do not split into one slice per expert")
+    return t.dtype, t.shape
 
 
-def _check_expert_axis(path: Path, t: GgufTensor, layer_e: dict[int, GgufTensor], n_experts: int | None,
-                       e_source: str) -> int:
-    """The experts of merged tensor ``t``: at least one, under the cap, the same as the layer's
-    other merged tensors and every other layer's (llama.cpp has one ``n_expert``), and as the
-    metadata's expert count when it states one."""
-    if not t.shape or t.shape[0] == 0:
+def _check_expert_axis(path: Path, t: GgufTensor, shape: tuple[int, ...], ref: tuple[GgufTensor, int] | None,
+                       n_experts: int | None, e_source: str) -> int:
+    """The experts of merged tensor ``t`` (model ``shape``): at least one, under the cap, as
+    many as the first merged tensor ``ref`` holds (llama.cpp has one ``n_expert`` for every
+    layer), and as the metadata's expert count when it states one."""
+    if not shape or shape[0] == 0:
         raise CheckpointError(f"{path}: merged expert tensor {quote(t.name)} has no expert axis")
-    n_expert = t.shape[0]
+    n_expert = shape[0]
     if n_expert > MAX_EXPERTS_PER_LAYER:
         raise CheckpointError(
             f"{path}: merged expert tensor {quote(t.name)} claims {n_expert} experts, more than "
@@ -363,11 +368,10 @@ def _check_expert_axis(path: Path, t: GgufTensor, layer_e: dict[int, GgufTensor]
     if n_experts is not None and n_expert != n_experts:
         raise CheckpointError(f"{path}: merged expert tensor {quote(t.name)} holds {n_expert} experts, but "
                               f"{e_source} says {n_experts}")
-    ref = next(iter(layer_e.values()), None)
-    if ref is not None and ref.shape[0] != n_expert:
+    if ref is not None and ref[1] != n_expert:
         raise CheckpointError(
-            f"{path}: merged expert tensor {quote(t.name)} holds {n_expert} experts but {quote(ref.name)} "
-            f"holds {ref.shape[0]}: every merged expert tensor of a GGUF model holds the same experts")
+            f"{path}: merged expert tensor {quote(t.name)} holds {n_expert} experts but {quote(ref[0].name)} "
+            f"holds {ref[1]}: every merged expert tensor of a GGUF model holds the same experts")
     return n_expert
 
 

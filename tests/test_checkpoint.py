@@ -640,3 +640,21 @@ def test_gguf_refuses_k_above_the_experts(tmp_path: Path) -> None:
     tensors = {f"blk.0.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for r in ("gate", "up", "down")}
     path = gguf_moe(tmp_path / "k.gguf", tensors, k=5)
     _raises(path, "k.gguf", "'qwen3moe.expert_used_count'", "experts per token is 5, more than 4")
+
+
+def test_gguf_bf16_vectors_per_expert_and_quantized_vectors(tmp_path: Path) -> None:
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(13)
+    base = {f"blk.0.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for r in ("up", "down")}
+    scale = quantize(rng.standard_normal(4).astype(np.float32), gguf.GGMLQuantizationType.BF16)
+    path = gguf_moe(tmp_path / "s.gguf", {**base, "blk.0.ffn_down_exps.scale": (scale, gguf.GGMLQuantizationType.BF16)})
+    index = load_index(path)
+    view = _view(index, (0, 3))
+    got = view.tensors["down_proj.scale"]
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == () and got.tobytes() == scale.tobytes()[6:8]
+    q8 = quantize(rng.standard_normal(32).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    path = gguf_moe(tmp_path / "q.gguf", {**base, "blk.0.ffn_down_exps.scale": (q8, gguf.GGMLQuantizationType.Q8_0)},
+                    n_experts=None)
+    _raises(path, "q.gguf", "'blk.0.ffn_down_exps.scale' is a Q8_0 vector")
