@@ -33,7 +33,9 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
     * a folder of safetensors shards, with or without ``model.safetensors.index.json``
       (with it, its ``weight_map`` decides which shard holds which tensor);
     * a single ``.safetensors`` file;
-    * a ``.gguf`` file, or a folder holding exactly one ``.gguf`` and no safetensors.
+    * a ``.gguf`` file (a shard ``NAME-00001-of-0000N.gguf`` of a split set opens the whole
+      set), or a folder with no safetensors holding one GGUF model: one ``.gguf`` or one split
+      set, beside which multimodal projectors (``mmproj*.gguf``) are left out with a note.
 
     ``experts_per_token`` (k) comes from the folder's ``config.json`` (safetensors folders
     only: a lone ``.safetensors`` file may be one shard of anything) or from the GGUF key
@@ -59,16 +61,14 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
         if path.suffix == ".safetensors":
             return build_index("safetensors", root, _safetensors_index.index_file(path))
         if path.suffix == ".gguf":
-            return _build_gguf(path, root)
+            return _build_gguf(_gguf_index.read_gguf(path), root)
     raise CheckpointError(
         f"checkpoint {path} is not a .safetensors file, a .gguf file or a folder of them"
     )
 
 
-def _build_gguf(path: Path, root: str) -> CheckpointIndex:
-    found = _gguf_index.read_gguf(path)
-    return build_index("gguf", root, found.raws, found.experts_per_token, found.k_source,
-                       found.expert_count, found.e_source)
+def _build_gguf(found: _gguf_index.GgufFound, root: str) -> CheckpointIndex:
+    return build_index("gguf", root, found.raws, notes=found.notes)
 
 
 def _load_folder(folder: Path, root: str) -> CheckpointIndex:
@@ -80,14 +80,8 @@ def _load_folder(folder: Path, root: str) -> CheckpointIndex:
         (k, k_source), (n_experts, e_source) = _safetensors_index.config_counts(folder)
         raws = _safetensors_index.index_folder(folder)
         return build_index("safetensors", root, raws, k, k_source, n_experts, e_source)
-    ggufs = [name for name in names if name.endswith(".gguf")]
-    if len(ggufs) == 1:
-        return _build_gguf(folder / ggufs[0], root)
-    if len(ggufs) > 1:
-        raise CheckpointError(
-            f"checkpoint folder {folder} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); "
-            "pass the one to use"
-        )
+    if any(name.endswith(".gguf") for name in names):
+        return _build_gguf(_gguf_index.read_gguf_folder(folder, names), root)
     raise CheckpointError(
         f"checkpoint folder {folder} holds no checkpoint: no *.safetensors, "
         f"no {_safetensors_index.INDEX_JSON} and no *.gguf"

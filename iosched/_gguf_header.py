@@ -41,6 +41,7 @@ import numpy as np
 
 from iosched._errors import CheckpointError
 from iosched._index_build import check_in_file, check_no_overlap
+from iosched._layout import GgmlType
 from iosched._untrusted import quote, regular_file_size
 
 MAX_HEADER_BYTES = 256 * 1024 * 1024
@@ -63,30 +64,36 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _NUMERIC = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
 """GGML types the reader returns as numbers; every other type is bytes (``uint8``)."""
-_WANTED_SUFFIXES = (".expert_used_count", ".expert_count")
-_WANTED = ("general.architecture", "general.alignment")
+_WANTED_SUFFIXES = (".expert_used_count", ".expert_count", ".block_count", ".nextn_predict_layers",
+                    ".leading_dense_block_count")
+_WANTED = ("general.architecture", "general.alignment", "split.no", "split.count", "split.tensors.count")
+"""The keys the index reads (``gguf.Keys``): the architecture and the data alignment; a split
+set's ``split.*`` (``gguf.Keys.Split``); per architecture, the expert counts, the blocks, the
+NextN/MTP blocks at the end and the dense blocks at the start."""
 
 
 @dataclass(frozen=True)
 class GgufTensor:
     """A tensor of the file as the reader would give it: numpy dtype and shape (outermost
     first; for types the reader returns as bytes, the last axis counts bytes), size in bytes,
-    absolute offset."""
+    absolute offset, and its GGML type (``gguf.GGMLQuantizationType`` name, block size and
+    block bytes from ``gguf.GGML_QUANT_SIZES``)."""
 
     name: str
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
     n_bytes: int
     data_offset: int
+    ggml_type: GgmlType
 
 
 @dataclass(frozen=True)
 class GgufHeader:
     tensors: list[GgufTensor]
     values: dict[str, object]
-    """The scalar values of ``general.architecture``, ``general.alignment`` and every key
-    ending in ``.expert_used_count`` or ``.expert_count``; an array there is a description
-    string (``"an array of N items"``), never its items."""
+    """The scalar values of the keys in :data:`_WANTED` and of every key ending in one of
+    :data:`_WANTED_SUFFIXES`; an array there is a description string (``"an array of N
+    items"``), never its items."""
 
 
 class _Cursor:
@@ -283,7 +290,8 @@ def _tensor(path: Path, name: str, dims: tuple[int, ...], raw_type: int, offset:
         if shape:
             shape = (*shape[:-1], shape[-1] // block * type_size)
     return GgufTensor(name=name, dtype=dtype, shape=shape, n_bytes=n_elems * type_size // block,
-                      data_offset=data_start + offset)
+                      data_offset=data_start + offset,
+                      ggml_type=GgmlType(ggml_type.name, block, type_size))
 
 
 def _check_names_and_bytes(path: Path, size: int, tensors: list[GgufTensor]) -> None:

@@ -101,11 +101,13 @@ class ExpertLayout:
     """Zero-copy views of ``tensors`` the view also exposes (fused ``gate_up_proj`` halves)."""
     ggml_types: Mapping[str, GgmlType] = field(default_factory=lambda: MappingProxyType({}),
                                                compare=False, repr=False)
-    """Tensor name -> GGML type, for the GGUF tensors (built once, shared by every view)."""
+    """Tensor name -> GGML type, for the GGUF tensors and the derived views of them (a half of
+    a fused tensor has its parent's type; built once, shared by every view)."""
 
     def __post_init__(self) -> None:
         if not self.ggml_types:
             types = {t.name: t.ggml_type for t in self.tensors if t.ggml_type is not None}
+            types.update({d.name: types[d.parent] for d in self.derived if d.parent in types})
             if types:
                 object.__setattr__(self, "ggml_types", MappingProxyType(types))
 

@@ -23,7 +23,7 @@ import safetensors.numpy
 
 from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError
-from iosched._layout import CheckpointIndex, ExpertLayout
+from iosched._layout import CheckpointIndex, ExpertLayout, GgmlType
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 L, E, H, INTER = 3, 6, 64, 32  # layers, experts, hidden, intermediate
@@ -432,3 +432,229 @@ def test_two_ggufs_in_a_folder(tmp_path: Path) -> None:
     write_gguf_moe(tmp_path / "a.gguf", **SIZES)
     write_gguf_moe(tmp_path / "b.gguf", **SIZES)
     _raises(tmp_path, "a.gguf", "b.gguf")
+
+
+# --------------------------------------------------------------------------- GGUF layouts (#14)
+
+
+def gguf_moe(path: Path, tensors: Mapping[str, Any], arch: str = "qwen3moe", *, n_experts: int | None = 4,
+             k: int | None = 2, extra: Mapping[str, int] | None = None, split_max_tensors: int = 0) -> Path:
+    """A GGUF written by ``gguf.GGUFWriter``: ``tensors`` maps a name to an array, or to
+    ``(raw bytes, GGMLQuantizationType)``; the counts as ``{arch}.*`` keys when given."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch=arch, split_max_tensors=split_max_tensors)
+    if n_experts is not None:
+        writer.add_expert_count(n_experts)
+    if k is not None:
+        writer.add_expert_used_count(k)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key.format(arch=arch), value)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _f16(rng: np.random.Generator, *shape: int) -> npt.NDArray[np.float16]:
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def _reader_tensors(*paths: Path) -> dict[str, npt.NDArray[Any]]:
+    import gguf
+
+    out: dict[str, npt.NDArray[Any]] = {}
+    for path in paths:
+        reader = gguf.GGUFReader(path, "r")
+        out.update({t.name: np.array(t.data) for t in reader.tensors})
+        del reader
+    return out
+
+
+def _view(index: CheckpointIndex, key: tuple[int, int]) -> Any:
+    from iosched._view import ExpertView
+
+    return ExpertView.over(index.experts[key], memoryview(bytearray(read_expert(index, index.experts[key]))))
+
+
+def test_gguf_fused_gate_up_halves_follow_llama_cpp(tmp_path: Path) -> None:
+    """``ffn_gate_up_exps`` (2I rows per expert): gate is rows [0, I), up rows [I, 2I), as
+    llama.cpp's build_moe_ffn splits it; both zero-copy views of ``gate_up_proj``, the bias
+    split likewise, the GGML type on the halves too."""
+    rng = np.random.default_rng(4)
+    path = gguf_moe(tmp_path / "fused.gguf", {
+        "blk.0.ffn_gate_up_exps.weight": _f16(rng, 4, 2 * INTER, H),
+        "blk.0.ffn_gate_up_exps.bias": rng.standard_normal((4, 2 * INTER)).astype(np.float32),
+        "blk.0.ffn_down_exps.weight": _f16(rng, 4, H, INTER),
+        "blk.0.ffn_down_exps.scale": rng.standard_normal(4).astype(np.float32),
+    }, arch="gemma4")
+    index = load_index(path)
+    ref = _reader_tensors(path)
+    assert index.architecture == "gemma4" and sorted(index.experts) == [(0, e) for e in range(4)]
+    view = _view(index, (0, 2))
+    fused = ref["blk.0.ffn_gate_up_exps.weight"][2]
+    np.testing.assert_array_equal(view.tensors["gate_up_proj"], fused)
+    np.testing.assert_array_equal(view.tensors["gate_proj"], fused[:INTER])
+    np.testing.assert_array_equal(view.tensors["up_proj"], fused[INTER:])
+    bias = ref["blk.0.ffn_gate_up_exps.bias"][2]
+    np.testing.assert_array_equal(view.tensors["gate_proj.bias"], bias[:INTER])
+    np.testing.assert_array_equal(view.tensors["up_proj.bias"], bias[INTER:])
+    assert view.tensors["down_proj.scale"].shape == () and view.tensors["down_proj.scale"] == ref[
+        "blk.0.ffn_down_exps.scale"][2]
+    for half in ("gate_proj", "up_proj"):
+        assert np.shares_memory(view.tensors[half], view.tensors["gate_up_proj"])
+        assert view.ggml_types[half].name == "F16"
+    assert view.ggml_types["gate_up_proj.bias"].name == "F32"
+
+
+def test_gguf_bf16_is_typed_and_quantized_types_are_recorded(tmp_path: Path) -> None:
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(5)
+    bf16 = quantize(rng.standard_normal((4, INTER, H)).astype(np.float32), gguf.GGMLQuantizationType.BF16)
+    q8 = quantize(rng.standard_normal((4, INTER, H)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    q4k = rng.integers(0, 256, (4, H, INTER // 256 * 144 if INTER >= 256 else 144), dtype=np.uint8)
+    path = gguf_moe(tmp_path / "types.gguf", {
+        "blk.0.ffn_gate_exps.weight": (bf16, gguf.GGMLQuantizationType.BF16),
+        "blk.0.ffn_up_exps.weight": (q8, gguf.GGMLQuantizationType.Q8_0),
+        "blk.0.ffn_down_exps.weight": (q4k, gguf.GGMLQuantizationType.Q4_K),
+    })
+    index = load_index(path)
+    ref = _reader_tensors(path)
+    view = _view(index, (0, 1))
+    gate = view.tensors["gate_proj"]
+    assert gate.dtype == ml_dtypes.bfloat16 and gate.shape == (INTER, H)
+    assert gate.tobytes() == ref["blk.0.ffn_gate_exps.weight"][1].tobytes()
+    assert view.tensors["up_proj"].dtype == np.uint8 and view.tensors["up_proj"].shape == (INTER, H // 32 * 34)
+    assert view.tensors["down_proj"].shape == q4k.shape[1:]
+    assert view.ggml_types == {"gate_proj": GgmlType("BF16", 1, 2), "up_proj": GgmlType("Q8_0", 32, 34),
+                               "down_proj": GgmlType("Q4_K", 256, 144)}
+
+
+def test_gguf_skipped_kinds_and_mtp_layers(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    experts = {f"blk.{la}.ffn_{r}_exps.weight": _f16(rng, 4, *((H, INTER) if r == "down" else (INTER, H)))
+               for la in (1, 2, 3) for r in ("gate", "up", "down")}
+    path = gguf_moe(tmp_path / "glm.gguf", {
+        "blk.0.ffn_gate.weight": _f16(rng, INTER, H), "blk.0.ffn_up.weight": _f16(rng, INTER, H),
+        "blk.0.ffn_down.weight": _f16(rng, H, INTER),
+        **{f"blk.{la}.ffn_gate_inp.weight": _f16(rng, 4, H) for la in (1, 2)},
+        **{f"blk.{la}.ffn_up_shexp.weight": _f16(rng, INTER, H) for la in (1, 2)},
+        **experts,
+        "blk.3.nextn.eh_proj.weight": _f16(rng, H, 2 * H),
+    }, arch="glm4moe", extra={"{arch}.block_count": 4, "{arch}.nextn_predict_layers": 1,
+                              "{arch}.leading_dense_block_count": 1})
+    index = load_index(path)
+    assert index.layers() == [1, 2]
+    kinds = {s.kind: (s.count, s.example) for s in index.skipped}
+    assert kinds == {"dense": (3, "blk.0.ffn_gate.weight"), "router": (2, "blk.1.ffn_gate_inp.weight"),
+                     "shared_expert": (2, "blk.1.ffn_up_shexp.weight"), "mtp": (4, "blk.3.ffn_gate_exps.weight")}
+
+
+def test_gguf_split_set_is_one_index(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    tensors = {f"blk.{la}.ffn_{r}_exps.weight": _f16(rng, 4, *((H, INTER) if r == "down" else (INTER, H)))
+               for la in range(3) for r in ("gate", "up", "down")}
+    gguf_moe(tmp_path / "ck" / "m.gguf", tensors, split_max_tensors=4)
+    shards = sorted((tmp_path / "ck").glob("*.gguf"))
+    assert [p.name for p in shards] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    ref = _reader_tensors(*shards)
+    for source in (tmp_path / "ck", shards[1]):  # the folder, or any one shard: the whole set
+        index = load_index(source)
+        assert len(index.files) == 3 and sorted(index.experts) == [(la, e) for la in range(3) for e in range(4)]
+        assert index.experts_per_token == 2
+        view = _view(index, (2, 3))
+        np.testing.assert_array_equal(view.tensors["down_proj"], ref["blk.2.ffn_down_exps.weight"][3])
+    (tmp_path / "ck" / "mmproj-f16.gguf").write_bytes(b"")  # a projector beside it: left out, noted
+    assert any("mmproj-f16.gguf" in n for n in load_index(tmp_path / "ck").notes)
+    shards[2].unlink()
+    for source in (tmp_path / "ck", shards[0]):
+        _raises(source, "m-00003-of-00003.gguf", "lacks 1")
+
+
+def test_gguf_split_shards_that_do_not_belong_together(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    tensors = {f"blk.{la}.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for la in range(2) for r in ("gate", "up", "down")}
+    gguf_moe(tmp_path / "a" / "m.gguf", tensors, split_max_tensors=3)
+    gguf_moe(tmp_path / "b" / "m.gguf", tensors, split_max_tensors=2)  # 3 shards of 2: split.count 3
+    os.replace(tmp_path / "b" / "m-00002-of-00003.gguf", tmp_path / "a" / "m-00002-of-00002.gguf")
+    _raises(tmp_path / "a", "m-00002-of-00002.gguf", "'split.count' is 3")
+    lone = tmp_path / "lone.gguf"
+    os.replace(tmp_path / "a" / "m-00001-of-00002.gguf", lone)
+    _raises(lone, "lone.gguf", "split.no 0", "of a split GGUF of 2 shards")
+
+
+def test_gguf_folder_with_only_a_projector_or_two_models(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    gguf_moe(tmp_path / "p" / "mmproj-model.gguf", {"v.blk.0.attn_q.weight": _f16(rng, 8, 8)}, arch="clip",
+             n_experts=None, k=None)
+    _raises(tmp_path / "p", "only multimodal projector", "mmproj-model.gguf")
+    tensors = {f"blk.0.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for r in ("gate", "up", "down")}
+    gguf_moe(tmp_path / "p" / "model.gguf", tensors)
+    gguf_moe(tmp_path / "p" / "vision.gguf", {"v.blk.0.attn_q.weight": _f16(rng, 8, 8)}, arch="clip",
+             n_experts=None, k=None)  # a projector by its architecture, whatever its name
+    index = load_index(tmp_path / "p")
+    assert {Path(n.split(":")[0]).name for n in index.notes} == {"mmproj-model.gguf", "vision.gguf"}
+    gguf_moe(tmp_path / "p" / "other.gguf", tensors)
+    _raises(tmp_path / "p", "2 GGUF models", "model.gguf", "other.gguf")
+
+
+@pytest.mark.parametrize("tensors,needles", [
+    ({"blk.0.ffn_gate_exps.weight": (4, 8, 32), "blk.0.ffn_up_exps.weight": (3, 8, 32),
+      "blk.0.ffn_down_exps.weight": (4, 32, 8)}, ["'blk.0.ffn_up_exps.weight' holds 3 experts", "says 4"]),
+    ({"blk.0.ffn_gate_exps.weight": (4, 8, 32), "blk.0.ffn_down_exps.weight": (4, 32, 8)},
+     ["blk.0.ffn_gate_exps.weight without blk.0.ffn_up_exps.weight"]),
+    ({"blk.0.ffn_gate_exps.weight": (4, 8, 32), "blk.0.ffn_up_exps.weight": (4, 8, 32)},
+     ["no blk.0.ffn_down_exps.weight"]),
+    ({"blk.0.ffn_gate_up_exps.weight": (4, 16, 32), "blk.0.ffn_gate_exps.weight": (4, 8, 32),
+      "blk.0.ffn_down_exps.weight": (4, 32, 8)}, ["both a fused blk.0.ffn_gate_up_exps.weight"]),
+    ({"blk.0.ffn_gate_up_exps.weight": (4, 15, 32), "blk.0.ffn_down_exps.weight": (4, 32, 8)},
+     ["'blk.0.ffn_gate_up_exps.weight' has 15 rows", "odd"]),
+    ({"blk.0.ffn_up_exps.weight": (4, 8, 32), "blk.0.ffn_down_exps.weight": (4, 32, 8),
+      "blk.0.ffn_gate_exps.bias": (4, 8)}, ["'blk.0.ffn_gate_exps.bias' has no blk.0.ffn_gate_exps.weight"]),
+])
+def test_gguf_refuses_inconsistent_experts_by_name(tmp_path: Path, tensors: dict[str, tuple[int, ...]],
+                                                  needles: list[str]) -> None:
+    rng = np.random.default_rng(10)
+    path = gguf_moe(tmp_path / "bad.gguf", {n: _f16(rng, *s) for n, s in tensors.items()})
+    _raises(path, "bad.gguf", *needles)
+
+
+def test_gguf_refuses_layers_that_disagree_on_experts_without_metadata(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    tensors = {f"blk.{la}.ffn_{r}_exps.weight": _f16(rng, 4 + la, 8, 32) for la in range(2) for r in ("up", "down")}
+    path = gguf_moe(tmp_path / "bad.gguf", tensors, n_experts=None, k=None)
+    _raises(path, "bad.gguf", "'blk.1.ffn_up_exps.weight' holds 5 experts", "'blk.0.ffn_up_exps.weight' holds 4")
+
+
+def test_gguf_refuses_k_above_the_experts(tmp_path: Path) -> None:
+    rng = np.random.default_rng(12)
+    tensors = {f"blk.0.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for r in ("gate", "up", "down")}
+    path = gguf_moe(tmp_path / "k.gguf", tensors, k=5)
+    _raises(path, "k.gguf", "'qwen3moe.expert_used_count'", "experts per token is 5, more than 4")
+
+
+def test_gguf_bf16_vectors_per_expert_and_quantized_vectors(tmp_path: Path) -> None:
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(13)
+    base = {f"blk.0.ffn_{r}_exps.weight": _f16(rng, 4, 8, 32) for r in ("up", "down")}
+    scale = quantize(rng.standard_normal(4).astype(np.float32), gguf.GGMLQuantizationType.BF16)
+    path = gguf_moe(tmp_path / "s.gguf", {**base, "blk.0.ffn_down_exps.scale": (scale, gguf.GGMLQuantizationType.BF16)})
+    index = load_index(path)
+    view = _view(index, (0, 3))
+    got = view.tensors["down_proj.scale"]
+    assert got.dtype == ml_dtypes.bfloat16 and got.shape == () and got.tobytes() == scale.tobytes()[6:8]
+    q8 = quantize(rng.standard_normal(32).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    path = gguf_moe(tmp_path / "q.gguf", {**base, "blk.0.ffn_down_exps.scale": (q8, gguf.GGMLQuantizationType.Q8_0)},
+                    n_experts=None)
+    _raises(path, "q.gguf", "'blk.0.ffn_down_exps.scale' is a Q8_0 vector")

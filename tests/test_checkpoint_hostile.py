@@ -395,7 +395,7 @@ def test_gguf_expert_count_is_checked(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    raises(path, "count.gguf", "'qwen3moe.expert_count' says 8", "layer (0) has 4 experts")
+    raises(path, "count.gguf", "'qwen3moe.expert_count' says 8", "'blk.0.ffn_up_exps.weight' holds 4 experts")
 
 
 def _write_reference_gguf(path: Path, endianess: Any) -> Path:
