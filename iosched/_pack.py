@@ -334,6 +334,7 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
     ggml_of: dict[str, tuple[GgmlType, tuple[int, ...]]] = {}
     dtype_of: dict[str, str] = {}
     plan = _Plan(shards=[], ggml={})
+    architecture = index.architecture
     expert_sources = {s.source_name for lay in index.experts.values() for s in lay.tensors}
     expert_bases = expert_sources | {m.group(1) for m in map(_SLICE_RE.fullmatch, expert_sources) if m}
     if index.format == "gguf":
@@ -342,7 +343,11 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
         if big_endian:
             raise CheckpointError(f"{path}: a big-endian GGUF file: safetensors holds little-endian tensors only "
                                   "(convert it with gguf-convert-endian first)")
-        for gt in read_gguf_header(path).tensors:
+        header = read_gguf_header(path)
+        arch = header.values.get("general.architecture")
+        if isinstance(arch, str) and not architecture:
+            architecture = arch
+        for gt in header.tensors:
             if gt.name in expert_bases:
                 continue
             kind = _NUMERIC.get(f"{gt.dtype.kind}{gt.dtype.itemsize}")
@@ -368,8 +373,8 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
 
     common = {meta.VERSION_KEY: meta.VERSION, meta.ALIGN_KEY: str(align), "format": "pt",
               meta.SOURCE_FORMAT_KEY: src_meta.get(meta.SOURCE_FORMAT_KEY, index.format)}
-    if index.architecture:
-        common[meta.ARCH_KEY] = index.architecture
+    if architecture:
+        common[meta.ARCH_KEY] = architecture
     if index.experts_per_token is not None:
         common[meta.K_KEY] = str(index.experts_per_token)
     if index.k_by_layer:
