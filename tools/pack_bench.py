@@ -20,11 +20,11 @@ the call to the view in hand) at p50 and p99. The files are deleted at the end u
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,9 +105,13 @@ def _groups(keys: list[tuple[int, int]], n: int, group: int, rng: np.random.Gene
 
 async def _arm(source: Path, backend: str, groups: list[list[tuple[int, int]]], nbytes: int) -> dict[str, Any]:
     group = len(groups[0])
-    with warnings.catch_warnings():  # "budget below one token cycle": on purpose, every acquire a miss
-        warnings.simplefilter("ignore")
+    log = logging.getLogger("iosched")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "budget below one token cycle": on purpose, so every acquire misses
+    try:
         store = await ExpertStore.open(source, budget_bytes=group * nbytes, backend=backend, policy="lru")
+    finally:
+        log.setLevel(level)
     async with store:
         _drop(store.index.files)
         lat = []
