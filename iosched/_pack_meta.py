@@ -141,7 +141,8 @@ def apply_pack_metadata(index: CheckpointIndex, metadata: Mapping[str, str]) -> 
     """``index`` with what ``metadata`` (:func:`pack_metadata` of its files) says: GGML types
     on the tensors, derived tensors on the experts, and k, E and the architecture where the
     index has none of its own (a ``config.json`` beside the shards wins). ``index`` itself when
-    the metadata is not a packed checkpoint's."""
+    the metadata is not a packed checkpoint's. Applying it twice gives what applying it once
+    does."""
     version = metadata.get(VERSION_KEY)
     if version is None:
         return index
@@ -184,8 +185,8 @@ def _enrich_layout(index: CheckpointIndex, lay: ExpertLayout, metadata: Mapping[
             spec = dataclasses.replace(spec, ggml_type=_ggml(path, spec, raw))
         tensors.append(spec)
         raw = metadata.get(DERIVED_PREFIX + spec.source_name)
-        if raw is not None:
-            derived.extend(_derived(path, spec, raw, {t.name for t in lay.tensors}))
+        if raw is not None:  # those already there (applied before, or the reader's own) once only
+            derived.extend(d for d in _derived(path, spec, raw, {t.name for t in lay.tensors}) if d not in derived)
     names = [t.name for t in lay.tensors] + [d.name for d in derived]
     if len(set(names)) != len(names):
         raise CheckpointError(f"{index.files[lay.tensors[0].file]}: expert {lay.key}: a derived tensor in "

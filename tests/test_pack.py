@@ -276,16 +276,38 @@ def test_refusals_leave_everything_as_it_was(gguf_packed: tuple[Path, Path, dict
     assert sorted(os.listdir(tmp_path)) == ["file", "full", "hf"]  # no temporary folder left behind
 
 
-def _packed_file(tmp_path: Path, entry: str) -> Path:
+def _packed_file(tmp_path: Path, entry: str, extra: dict[str, str] | None = None) -> Path:
     """A one-expert packed file whose gate_proj GGML entry is ``entry``, by safetensors' writer."""
     import safetensors.numpy
 
-    tensors = {f"model.layers.0.mlp.experts.0.{r}.weight": np.zeros((4, 34), np.uint8)
+    tensors = {f"model.layers.0.mlp.experts.0.{r}.weight": np.arange(4 * 34, dtype=np.uint8).reshape(4, 34)
                for r in ("gate_proj", "up_proj", "down_proj")}
     path = tmp_path / "model.safetensors"
     safetensors.numpy.save_file(tensors, str(path), metadata={
-        "iosched.pack.version": "1", "iosched.ggml.model.layers.0.mlp.experts.0.gate_proj.weight": entry})
+        "iosched.pack.version": "1", "iosched.ggml.model.layers.0.mlp.experts.0.gate_proj.weight": entry,
+        **(extra or {})})
     return path
+
+
+@pytest.mark.parametrize("item,message", [
+    ({"name": "lower", "parent": "up_proj", "axis": 0, "start": 0, "stop": 2, "step": 1}, ""),
+    ({"name": "lower", "parent": "up_proj", "axis": 0, "start": 0, "stop": 5, "step": 1}, "outside the tensor"),
+    ({"name": "lower", "parent": "gate_proj", "axis": 0, "start": 0, "stop": 2, "step": 1}, "parent"),
+    ({"name": "down_proj", "parent": "up_proj", "axis": 0, "start": 0, "stop": 2, "step": 1}, "stored tensor"),
+])
+def test_derived_views_in_pack_metadata(tmp_path: Path, item: dict[str, Any], message: str) -> None:
+    path = _packed_file(tmp_path, '{"type": "Q8_0", "shape": [4, 32]}',
+                        {"iosched.derived.model.layers.0.mlp.experts.0.up_proj.weight": json.dumps([item])})
+    index = load_index(path)
+    if message:
+        with pytest.raises(CheckpointError, match=message):
+            apply_pack_metadata(index, pack_metadata(index.files))
+        return
+    once = apply_pack_metadata(index, pack_metadata(index.files))
+    assert apply_pack_metadata(once, pack_metadata(index.files)) == once
+    lay = once.experts[(0, 0)]
+    view = ExpertView.over(lay, memoryview(extent_bytes(once, (0, 0))))
+    np.testing.assert_array_equal(view.tensors["lower"], view.tensors["up_proj"][0:2])
 
 
 @pytest.mark.parametrize("entry,message", [
@@ -300,8 +322,9 @@ def test_hostile_pack_metadata_names_the_file_and_tensor(tmp_path: Path, entry: 
     path = _packed_file(tmp_path, entry)
     index = load_index(path)
     if not message:
-        assert dict(apply_pack_metadata(index, pack_metadata(index.files)).experts[(0, 0)].ggml_types) == \
-            {"gate_proj": Q8_0}
+        once = apply_pack_metadata(index, pack_metadata(index.files))
+        assert dict(once.experts[(0, 0)].ggml_types) == {"gate_proj": Q8_0}
+        assert apply_pack_metadata(once, pack_metadata(index.files)) == once
         return
     with pytest.raises(CheckpointError, match=message) as info:
         apply_pack_metadata(index, pack_metadata(index.files))
