@@ -44,6 +44,7 @@ tensor back through ``safetensors.safe_open`` against the source.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -87,7 +88,9 @@ MAX_ALIGN = 1 << 30
 """1 GiB, the largest huge page; a larger alignment only wastes space."""
 DEFAULT_SHARD_BYTES = 4 << 30
 """Data bytes per shard, at most (an expert or tensor larger than this gets a shard of its own):
-4 GiB, under the 5 GB transformers' ``save_pretrained`` writes by default."""
+4 GiB, under the 5 GB that Hugging Face Hub checkpoints are usually cut into (transformers 4's
+``save_pretrained`` default; 5 writes 50 GB shards), so a copy keeps to files that tools for
+the Hub handle."""
 _CHUNK = 8 << 20
 """Bytes per copy or compare step: large enough to stream at disk speed, small enough to keep
 memory flat whatever the tensor."""
@@ -455,7 +458,9 @@ def _expert_tensors(index: CheckpointIndex, lay: ExpertLayout, unit: _Unit, shar
         else:
             kind = dtype_of.get(base)
             if spec.ggml_type is not None:
-                shard.metadata[meta.GGML_PREFIX + name] = src_meta[meta.GGML_PREFIX + spec.source_name]
+                stated = src_meta.get(meta.GGML_PREFIX + spec.source_name)
+                shard.metadata[meta.GGML_PREFIX + name] = stated or meta.ggml_entry(
+                    spec.ggml_type, _model_shape(spec.shape, spec.dtype.itemsize, spec.ggml_type))
                 types[spec.name] = spec.ggml_type
         if kind is None:
             raise CheckpointError(f"{index.files[spec.file]}: tensor {quote(spec.source_name)} has numpy dtype "
@@ -466,6 +471,14 @@ def _expert_tensors(index: CheckpointIndex, lay: ExpertLayout, unit: _Unit, shar
         if derived:
             shard.metadata[meta.DERIVED_PREFIX + name] = meta.derived_entry(derived)
     return types
+
+
+def _model_shape(shape: tuple[int, ...], itemsize: int, ggml: GgmlType) -> tuple[int, ...]:
+    """The shape in elements of a tensor of ``ggml`` type stored as ``shape``: itself when it
+    is typed (F16 as float16), else bytes per row turned back into values per row."""
+    if itemsize == ggml.type_size and ggml.block_size == 1 or not shape:
+        return shape
+    return (*shape[:-1], shape[-1] // ggml.type_size * ggml.block_size)
 
 
 def _slice_source(index: CheckpointIndex, lay: ExpertLayout, at: int, nbytes: int) -> Iterator[tuple[str, int, int]]:
@@ -608,15 +621,22 @@ def _verify(plan: _Plan, index: CheckpointIndex, folder: Path, align: int, progr
                 for unit in shard.units:
                     if unit.key is None:
                         (t,) = unit.tensors
-                        _compare_tensor(f, path, t, src.chunks(t.source) if t.source else None)
+                        _compare_tensor(f, path, t, functools.partial(src.chunks, t.source) if t.source else None,
+                                        _stored(dst, path, shard.head, t))
                     else:
                         data = _check_expert(index, got, plan, unit, path, align, src, dst)
                         for t in unit.tensors:
                             at = t.begin - unit.begin
-                            _compare_tensor(f, path, t, iter([data[at:at + t.nbytes]]))
+                            _compare_tensor(f, path, t, functools.partial(iter, [data[at:at + t.nbytes]]),
+                                            _stored(dst, path, shard.head, t))
                     done += unit.nbytes
                     if progress is not None:
                         progress("verify", done, total)
+
+
+def _stored(dst: _Files, path: Path, head: int, t: _Tensor) -> Callable[[], Iterator[bytes]]:
+    """The bytes of ``t`` where the header of ``path`` puts them, read when called."""
+    return lambda: dst.chunks([(str(path), head + t.begin, t.nbytes)])
 
 
 def _check_expert(index: CheckpointIndex, got: CheckpointIndex, plan: _Plan, unit: _Unit, path: Path, align: int,
@@ -652,15 +672,28 @@ def _check_expert(index: CheckpointIndex, got: CheckpointIndex, plan: _Plan, uni
     return data
 
 
-def _compare_tensor(f: Any, path: Path, t: _Tensor, expected: Iterator[bytes] | None) -> None:
+def _compare_tensor(f: Any, path: Path, t: _Tensor, expected: Callable[[], Iterator[bytes]] | None,
+                    raw: Callable[[], Iterator[bytes]]) -> None:
     """``safe_open``'s reading of ``t`` against ``expected`` (chunks of its bytes; ``None``:
-    zeros), by rows so that a large tensor is never held whole."""
+    zeros), by rows so that a large tensor is never held whole. A dtype that safetensors'
+    numpy reader cannot return (one numpy has no type for, say) is compared as the bytes
+    ``raw()`` reads where the header puts the tensor, after safe_open has accepted the header."""
+    try:
+        _compare_read(f, path, t, expected() if expected else None, None)
+    except (TypeError, ValueError, AttributeError):  # no numpy type for this dtype (F8_E8M0...)
+        _compare_read(f, path, t, expected() if expected else None, raw())
+
+
+def _compare_read(f: Any, path: Path, t: _Tensor, expected: Iterator[bytes] | None,
+                  raw: Iterator[bytes] | None) -> None:
     sl = f.get_slice(t.name)
     if sl.get_dtype() != t.dtype or tuple(sl.get_shape()) != t.shape:
         raise PackError(f"{path}: safe_open reads tensor {quote(t.name)} as {sl.get_dtype()} {sl.get_shape()}, "
                         f"written as {t.dtype} {list(t.shape)}")
-    if not t.shape or t.shape[0] == 0 or t.nbytes <= _CHUNK:
-        mine: Iterator[bytes] = iter([np.ascontiguousarray(f.get_tensor(t.name)).tobytes()])
+    if raw is not None:
+        mine: Iterator[bytes] = raw
+    elif not t.shape or t.shape[0] == 0 or t.nbytes <= _CHUNK:
+        mine = iter([np.ascontiguousarray(f.get_tensor(t.name)).tobytes()])
     else:
         step = max(1, _CHUNK // max(1, t.nbytes // t.shape[0]))
         mine = (np.ascontiguousarray(sl[i:i + step]).tobytes() for i in range(0, t.shape[0], step))

@@ -355,3 +355,21 @@ def test_bench_pack_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert rows["gguf"]["reads_per_expert"] == 3 and rows["packed"]["reads_per_expert"] == 1
     assert rows["gguf"]["hits"] == rows["packed"]["hits"] == 0 and rows["packed"]["speedup_median"] > 0
     assert out["pack"]["verified"] and os.listdir(tmp_path) == []
+
+
+def test_a_dtype_numpy_cannot_read_is_copied_and_verified(tmp_path: Path) -> None:
+    """MXFP4 checkpoints carry F8_E8M0 scales, which safetensors' numpy reader cannot return:
+    the tensor is copied as it is and verified as the bytes safe_open's header places."""
+    torch = pytest.importorskip("torch", reason="torch (a test extra) writes the F8_E8M0 tensor")
+    import safetensors.torch
+
+    tensors = {"model.layers.0.mlp.router.scales": torch.arange(5, dtype=torch.float32).exp2().to(torch.float8_e8m0fnu)}
+    tensors.update({f"model.layers.0.mlp.experts.{e}.{r}.weight": torch.full((4, 8), float(e), dtype=torch.bfloat16)
+                    for e in range(2) for r in ("gate_proj", "up_proj", "down_proj")})
+    (tmp_path / "src").mkdir()
+    safetensors.torch.save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
+    report = pack_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert report.verified and report.other_tensors == 1
+    back = safetensors.torch.load_file(str(tmp_path / "dst" / "model.safetensors"))
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].view(torch.uint8).equal(tensor.view(torch.uint8))
