@@ -373,3 +373,16 @@ def test_a_dtype_numpy_cannot_read_is_copied_and_verified(tmp_path: Path) -> Non
     back = safetensors.torch.load_file(str(tmp_path / "dst" / "model.safetensors"))
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and back[name].view(torch.uint8).equal(tensor.view(torch.uint8))
+
+
+@pytest.mark.parametrize("index_json", [True, False])
+def test_sharded_source_with_and_without_weight_map(tmp_path: Path, index_json: bool) -> None:
+    from iosched.tools.synth import write_safetensors_moe
+
+    src = write_safetensors_moe(tmp_path / "src", n_layers=3, n_experts=4, hidden=64, intermediate=32,
+                                n_shards=3, index_json=index_json, experts_per_token=2)
+    report = pack_checkpoint(src, tmp_path / "dst", align=4096)
+    before, after = load_index(src), packed_index(tmp_path / "dst")
+    assert report.verified and report.other_tensors == 1 + 2 * 3  # embedding, attention and router per layer
+    assert all(len(lay.extents) == 1 and lay.extents[0].offset % 4096 == 0 for lay in after.experts.values())
+    assert all(extent_bytes(after, key) == extent_bytes(before, key) for key in before.experts)
