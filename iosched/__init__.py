@@ -37,6 +37,7 @@ from ._layout import (
 )
 from ._lease import Lease, LeaseGroup
 from ._manifest import ManifestSummary, default_manifest_path, write_manifest
+from ._pack import ExpertMove, PackError, PackReport, Placement, pack_checkpoint
 from ._settings import override as override_settings
 from ._stats import DeviceStats, ReplicaStats, RequestTally, StoreStats, TierStats
 from ._store import ExpertStore
@@ -52,6 +53,7 @@ __all__ = [
     "DeviceStats",
     "ExpertKey",
     "ExpertLayout",
+    "ExpertMove",
     "ExpertStore",
     "ExpertView",
     "Extent",
@@ -63,6 +65,9 @@ __all__ = [
     "Lease",
     "LeaseGroup",
     "ManifestSummary",
+    "PackError",
+    "PackReport",
+    "Placement",
     "ReadError",
     "ReplicaStats",
     "RequestTally",
@@ -76,6 +81,7 @@ __all__ = [
     "default_manifest_path",
     "load_index",
     "override_settings",
+    "pack_checkpoint",
     "write_manifest",
 ]
 

@@ -45,12 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    from . import bench, contention, inspect_checkpoint, manifest, replay, replica_bench, soak, topology, verify_bench
+    from . import (
+        bench,
+        contention,
+        inspect_checkpoint,
+        manifest,
+        pack,
+        pack_bench,
+        replay,
+        replica_bench,
+        soak,
+        topology,
+        verify_bench,
+    )
 
     bench.add_parser(sub)
     contention.add_parser(sub)
     inspect_checkpoint.add_parser(sub)
     manifest.add_parser(sub)
+    pack.add_parser(sub)
+    pack_bench.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
