@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from iosched import _gguf_index, _safetensors_index
+from iosched import _gguf_index, _pack_meta, _safetensors_index
 from iosched._errors import CheckpointError
 from iosched._index_build import build_index
 from iosched._layout import CheckpointIndex
@@ -43,11 +43,21 @@ def load_index(source: str | os.PathLike[str]) -> CheckpointIndex:
     per layer that ``config.json`` or ``{arch}.expert_count`` states, if any, must be what the
     tensors hold.
 
+    A safetensors checkpoint that ``iosched pack`` wrote carries what safetensors cannot say
+    (GGML types, k from a GGUF source, fused views) in its ``__metadata__``
+    (:mod:`iosched._pack_meta`, docs/formats.md "Packing"); it is applied here.
+
     Every file is read as untrusted input (:mod:`iosched._untrusted`, docs/reliability.md
     "Hostile checkpoint files"). Raises :class:`CheckpointError` when the path is none of
     these, cannot be read, a file is missing or malformed, or no expert tensor is found.
     """
-    path = Path(os.fspath(source))
+    index = _load(Path(os.fspath(source)))
+    if index.format == "safetensors":  # a copy ``iosched pack`` wrote: its GGML types, k, views
+        index = _pack_meta.apply_pack_metadata(index, _pack_meta.pack_metadata(index.files))
+    return index
+
+
+def _load(path: Path) -> CheckpointIndex:
     root = os.path.abspath(path)
     try:
         st = os.stat(path)

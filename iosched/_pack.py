@@ -297,27 +297,19 @@ def _source_tensors(index: CheckpointIndex) -> tuple[dict[str, tuple[Path, Heade
 
 def _gguf_types(path: Path) -> tuple[dict[str, tuple[GgmlType, tuple[int, ...]]], bool]:
     """Each tensor's GGML type and model shape (outermost first) by name, and whether the file
-    is big-endian. The index keeps neither for every tensor, so the tensor infos are walked
-    once more with the bounded header reader's own steps (``load_index`` has accepted the
-    header just before; ``gguf.GGUFReader`` is avoided for the reasons ``_gguf_header`` gives)."""
-    from gguf.constants import GGMLQuantizationType
-
-    from iosched import _gguf_header as gh
-
-    size = os.stat(path).st_size
-    with open(path, "rb", buffering=0) as f:
-        cur = gh._Cursor(f, path, size)
-        cur.take(4)
-        tensor_count, kv_count = gh._preamble(cur, path)
-        gh._read_kvs(cur, path, kv_count)
-        infos = [gh._tensor_info(cur, path) for _ in range(tensor_count)]
+    is big-endian, from the bounded header reader (``load_index`` has accepted the header just
+    before).  The reader's shape counts bytes on its last axis for a quantized type; the model's
+    counts values: ``bytes / type_size * block_size``."""
     out: dict[str, tuple[GgmlType, tuple[int, ...]]] = {}
-    for name, dims, raw_type, _offset in infos:
-        ggml = meta.ggml_type_named(GGMLQuantizationType(raw_type).name)
-        if ggml is None:  # read_header accepted every type: cannot happen
-            raise CheckpointError(f"{path}: tensor {quote(name)} has unknown GGML type {raw_type}")
-        out[name] = (ggml, tuple(reversed(dims)))
-    return out, cur.endian == ">"
+    big_endian = False
+    for t in read_gguf_header(path).tensors:
+        g = t.ggml_type
+        shape = t.shape
+        if t.dtype == np.dtype(np.uint8) and g.name not in ("I8", "U8") and shape:
+            shape = (*shape[:-1], shape[-1] // g.type_size * g.block_size)
+        big_endian = big_endian or t.dtype.byteorder == ">"
+        out[t.name] = (g, shape)
+    return out, big_endian
 
 
 def _dst_name(fmt: str, key: ExpertKey, name: str, source_name: str) -> str:
@@ -331,18 +323,17 @@ def _dst_name(fmt: str, key: ExpertKey, name: str, source_name: str) -> str:
     return f"model.layers.{key[0]}.mlp.experts.{key[1]}.{suffix}"
 
 
-def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Mapping[str, str]) -> _Plan:
-    """Where every byte of the destination comes from."""
+def _gguf_others(index: CheckpointIndex, expert_bases: set[str]
+                 ) -> tuple[list[_Other], str, dict[str, tuple[GgmlType, tuple[int, ...]]]]:
+    """The tensors of a GGUF checkpoint (every shard of a split set) that are not experts, each
+    with its GGML type and model shape for the metadata; ``general.architecture``; every
+    tensor's GGML type and model shape by name."""
     others: list[_Other] = []
-    ggml_of: dict[str, tuple[GgmlType, tuple[int, ...]]] = {}
-    dtype_of: dict[str, str] = {}
-    plan = _Plan(shards=[], ggml={})
-    architecture = index.architecture
-    expert_sources = {s.source_name for lay in index.experts.values() for s in lay.tensors}
-    expert_bases = expert_sources | {m.group(1) for m in map(_SLICE_RE.fullmatch, expert_sources) if m}
-    if index.format == "gguf":
-        path = Path(index.files[0])
+    architecture = ""
+    types: dict[str, tuple[GgmlType, tuple[int, ...]]] = {}
+    for path in map(Path, index.files):
         ggml_of, big_endian = _gguf_types(path)
+        types.update(ggml_of)
         if big_endian:
             raise CheckpointError(f"{path}: a big-endian GGUF file: safetensors holds little-endian tensors only "
                                   "(convert it with gguf-convert-endian first)")
@@ -360,6 +351,22 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
             ggml, shape = ggml_of[gt.name]
             others.append(_Other(gt.name, kind, gt.shape, str(path), gt.data_offset, gt.n_bytes, gt.dtype.itemsize,
                                  meta.ggml_entry(ggml, shape)))
+    return others, architecture, types
+
+
+def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Mapping[str, str]) -> _Plan:
+    """Where every byte of the destination comes from."""
+    others: list[_Other] = []
+    ggml_of: dict[str, tuple[GgmlType, tuple[int, ...]]] = {}
+    dtype_of: dict[str, str] = {}
+    plan = _Plan(shards=[], ggml={})
+    architecture = index.architecture
+    expert_sources = {s.source_name for lay in index.experts.values() for s in lay.tensors}
+    expert_bases = expert_sources | {m.group(1) for m in map(_SLICE_RE.fullmatch, expert_sources) if m}
+    if index.format == "gguf":
+        gguf_others, arch, ggml_of = _gguf_others(index, expert_bases)
+        others.extend(gguf_others)
+        architecture = architecture or arch
     elif index.format == "safetensors":
         tensors, _ = _source_tensors(index)
         for name, (file, entry) in tensors.items():

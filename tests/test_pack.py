@@ -152,8 +152,7 @@ async def test_gguf_packed_views_equal_the_sources_on_every_backend(
                 for name, arr in va.tensors.items():
                     assert vb.tensors[name].dtype == arr.dtype and vb.tensors[name].shape == arr.shape
                     np.testing.assert_array_equal(vb.tensors[name], arr)
-                if va.ggml_types:
-                    assert dict(va.ggml_types) == dict(packed_index(dst).experts[key].ggml_types)
+                assert dict(va.ggml_types) == dict(vb.ggml_types) == EXPECTED_TYPES  # the store's views too
         assert b.stats()["misses"] == len(a.index.experts)
         reads = sum(d["reads"] for d in b.stats()["per_device"].values())
         assert reads == len(b.index.experts)  # one read per expert
@@ -298,13 +297,12 @@ def _packed_file(tmp_path: Path, entry: str, extra: dict[str, str] | None = None
 def test_derived_views_in_pack_metadata(tmp_path: Path, item: dict[str, Any], message: str) -> None:
     path = _packed_file(tmp_path, '{"type": "Q8_0", "shape": [4, 32]}',
                         {"iosched.derived.model.layers.0.mlp.experts.0.up_proj.weight": json.dumps([item])})
-    index = load_index(path)
-    if message:
+    if message:  # load_index applies the metadata: a bad entry is its error
         with pytest.raises(CheckpointError, match=message):
-            apply_pack_metadata(index, pack_metadata(index.files))
+            load_index(path)
         return
-    once = apply_pack_metadata(index, pack_metadata(index.files))
-    assert apply_pack_metadata(once, pack_metadata(index.files)) == once
+    once = load_index(path)
+    assert apply_pack_metadata(once, pack_metadata(once.files)) == once
     lay = once.experts[(0, 0)]
     view = ExpertView.over(lay, memoryview(extent_bytes(once, (0, 0))))
     np.testing.assert_array_equal(view.tensors["lower"], view.tensors["up_proj"][0:2])
@@ -320,14 +318,13 @@ def test_derived_views_in_pack_metadata(tmp_path: Path, item: dict[str, Any], me
 ])
 def test_hostile_pack_metadata_names_the_file_and_tensor(tmp_path: Path, entry: str, message: str) -> None:
     path = _packed_file(tmp_path, entry)
-    index = load_index(path)
-    if not message:
-        once = apply_pack_metadata(index, pack_metadata(index.files))
+    if not message:  # load_index applies the metadata
+        once = load_index(path)
         assert dict(once.experts[(0, 0)].ggml_types) == {"gate_proj": Q8_0}
-        assert apply_pack_metadata(once, pack_metadata(index.files)) == once
+        assert apply_pack_metadata(once, pack_metadata(once.files)) == once
         return
     with pytest.raises(CheckpointError, match=message) as info:
-        apply_pack_metadata(index, pack_metadata(index.files))
+        load_index(path)
     assert "model.safetensors" in str(info.value) and "gate_proj" in str(info.value)
 
 
