@@ -75,36 +75,44 @@ CANONICAL = {
     "w1.weight": "gate_proj",
     "w3.weight": "up_proj",
     "w2.weight": "down_proj",
+    # Inkling 2 (fused, vLLM's spelling): w13 is gate+up, w2 the down projection.
+    "w2_weight": "down_proj",
 }
 """Per-expert suffix -> canonical role; other suffixes keep their own name (``fc1.weight``)."""
 
 FUSED_BASES = frozenset({
     "gate_up_proj", "down_proj", "gate_proj", "up_proj", "fc1", "fc2", "w1", "w2", "w3", "wi", "wo",
-    "input_linear", "output_linear",
+    "input_linear", "output_linear", "w13",
 })  # fmt: skip
 """Fused tensor names (less ``.weight``/``.bias``, ``_bias``, ``_blocks``, ``_scales``) that hold
 one slice per expert: ``gate_up_proj``/``down_proj`` (+ ``_bias``) of transformers' fused
 experts and gpt-oss (+ MXFP4 ``_blocks``/``_scales``), ``fc1``/``fc2`` (Aria),
-``input_linear``/``output_linear`` (GraniteMoe, JetMoe).  A tensor under ``experts.`` by any
+``input_linear``/``output_linear`` (GraniteMoe, JetMoe), ``w13_weight``/``w2_weight`` (Inkling 2).
+Step 3.7 writes its experts' ``gate_proj``/``up_proj``/``down_proj`` fused without an
+``experts`` component (``moe.gate_proj.weight`` of shape ``[E, I, H]``): an MLP projection of
+three dimensions is read as fused experts.  A tensor under ``experts.`` by any
 other name (a router bias, a norm shared by the experts) belongs to no single expert."""
-FUSED_SUFFIXES = ("_bias", "_blocks", "_scales", ".weight", ".bias")
+FUSED_SUFFIXES = ("_bias", "_blocks", "_scales", "_weight", ".weight", ".bias")
 
-GATE_UP_NAMES = frozenset({"gate_up_proj", "input_linear.weight", "fc1.weight"})
+GATE_UP_NAMES = frozenset({"gate_up_proj", "input_linear.weight", "fc1.weight", "w13_weight"})
 """Fused tensors that hold each expert's gate and up projections (``fc1`` only for Aria, see
 :data:`GATE_UP_FC1`), with their partner down projection (:data:`DOWN_OF`): the view may also
 show their two parts as ``gate_proj``/``up_proj``."""
-DOWN_OF = {"gate_up_proj": "down_proj", "input_linear.weight": "output_linear.weight", "fc1.weight": "fc2.weight"}
+DOWN_OF = {"gate_up_proj": "down_proj", "input_linear.weight": "output_linear.weight", "fc1.weight": "fc2.weight",
+           "w13_weight": "w2_weight"}
 GATE_UP_FC1 = frozenset({"aria", "aria_text"})
 """Architectures whose fused ``fc1`` is gate+up (Aria's grouped GEMM); NLLB-MoE's per-expert
 ``fc1`` is a plain up projection."""
-INTERLEAVED = frozenset({"gpt_oss"})
-"""Architectures whose ``gate_up_proj`` interleaves gate and up along its 2I axis (gate at even
-positions, up at odd: ``gate_up[..., ::2], gate_up[..., 1::2]`` in transformers' gpt-oss)."""
+INTERLEAVED = frozenset({"gpt_oss", "inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"})
+"""Architectures whose fused gate+up tensor interleaves gate and up along its 2I axis (gate at
+even positions, up at odd): gpt-oss's ``gate_up_proj`` (``gate_up[..., ::2], gate_up[..., 1::2]``
+in transformers' gpt-oss), Inkling 2's ``w13_weight`` (transformers' conversion mapping
+de-interleaves it into halves on load, ``Interleave(dim=1)``)."""
 HALVES = frozenset({
     "aria", "aria_text", "glm4v_moe", "glm4v_moe_text", "granitemoe", "granitemoe_swa", "granitemoeshared",
-    "granitemoehybrid", "inkling", "inkling_text", "jetmoe", "lara_mini", "llama4", "llama4_text",
-    "minimax_m3_vl", "minimax_m3_vl_text", "mistral4", "muse_spark", "muse_spark_text", "qwen3_vl_moe",
-    "qwen3_vl_moe_text",
+    "granitemoehybrid", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "inkling", "inkling_text", "jetmoe", "lara_mini",
+    "llama4", "llama4_text", "minimax_m3_vl", "minimax_m3_vl_text", "mistral4", "muse_spark", "muse_spark_text",
+    "openai_privacy_filter", "qwen3_vl_moe", "qwen3_vl_moe_text", "zaya",
 })  # fmt: skip
 """Architectures whose fused gate+up tensor is gate then up, each half of the 2I axis
 (transformers' ``gate, up = ....chunk(2, dim=-1)``): those whose checkpoints the corpus holds
@@ -177,7 +185,7 @@ def parse(name: str) -> Parsed | None:
     if first in EXPERT_BLOCKS and _ROUTER_RE.fullmatch(rest):
         return Parsed("router", stack, layer, first)
     if first in EXPERT_BLOCKS and _DENSE_RE.fullmatch(rest):
-        return Parsed("dense", stack, layer, first)
+        return Parsed("dense", stack, layer, first, suffix=rest[len(first) + 1:])
     return Parsed("none", stack, layer, "")
 
 

@@ -19,6 +19,7 @@ identical and the caller reinterprets them. Any other unknown dtype on an expert
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import struct
@@ -423,6 +424,8 @@ def _assemble(entries: list[Located], facts: ConfigFacts, where: object) -> tupl
             most_layer[p.stack] = layer
         if p.what == "none":
             continue
+        if p.what == "dense" and len(entry.shape) == 3:  # Step 3.7's fused experts (_hf_names)
+            p = dataclasses.replace(p, what="fused")
         kind = stack_kind(p.stack)
         if kind == "language" and facts.n_layers is not None and layer >= facts.n_layers and not _enc_dec(p.stack):
             kind = "mtp"
