@@ -393,8 +393,8 @@ class _Skips:
 
 def _unsupported_reason(p: Parsed, entry: HeaderEntry) -> str:
     known = ", ".join(repr(b) for b in EXPERT_BLOCKS if b)
-    what = (f"fused {len(entry.shape)}-D expert tensors (e.g. shape {list(entry.shape)})" if p.what == "fused"
-            else "per-expert tensors")
+    what = ("per-expert tensors" if p.expert
+            else f"fused {len(entry.shape)}-D expert tensors (e.g. shape {list(entry.shape)})")
     return f"{what} under unsupported block name {p.block!r} (known: {known}, or none)"
 
 
@@ -539,10 +539,10 @@ def _slice_fused(group: list[_Candidate], offset: int, facts: ConfigFacts, notes
             raise CheckpointError(
                 f"{c.shard}: fused expert tensor {quote(c.entry.name)} {list(shape)} holds {shape[0]} experts but "
                 f"{quote(first.entry.name)} {list(first.entry.shape)} of the same layer holds {experts}")
-        if facts.n_experts is not None and shape[0] != facts.n_experts:
-            raise CheckpointError(
-                f"{c.shard}: fused expert tensor {quote(c.entry.name)} {list(shape)} holds {shape[0]} experts but "
-                f"{facts.e_source} says {facts.n_experts}")
+    if facts.n_experts is not None and experts != facts.n_experts:
+        raise CheckpointError(
+            f"{first.shard}: fused expert tensor {quote(first.entry.name)} {list(first.entry.shape)} holds {experts} "
+            f"experts but {facts.e_source} says {facts.n_experts}")
     check_tensor_count(count + experts * len(group), where)
     derived = _derived(group, facts, notes)
     out: list[RawExpertTensor] = []

@@ -395,3 +395,235 @@ def test_gate_up_split_matches_the_models_forward(corpus: Corpus, tmp_path: Path
                                   "does not run): " + "; ".join(unchecked)), stacklevel=1)
     print(f"\ngate/up split checked through the forward pass: {', '.join(checked)}")
     assert len(checked) >= 10, (checked, unchecked)
+
+
+# --------------------------------------------------------------------------- refusals on real checkpoints
+
+
+def _layout(corpus: Corpus, model_type: str, tmp_path: Path) -> Path:
+    """A copy of one corpus layout to edit."""
+    entry = next(e for e in corpus.built() if e.model_type == model_type)
+    assert entry.folder is not None
+    out = tmp_path / model_type
+    shutil.copytree(entry.folder, out)
+    return out
+
+
+def _rewrite(folder: Path, drop: tuple[str, ...] = (), rename: tuple[str, str] | None = None,
+             add: dict[str, npt.NDArray[Any]] | None = None, update_map: bool = True) -> None:
+    """Edit a checkpoint with safetensors' own writer: ``drop`` tensors, ``rename`` every name
+    holding ``old`` to hold ``new``, ``add`` tensors in a new shard; the index follows."""
+    index_path = folder / INDEX_JSON
+    doc = json.loads(index_path.read_text())
+    weight_map: dict[str, str] = doc["weight_map"]
+    for shard in sorted(set(weight_map.values())):
+        tensors = safetensors.numpy.load_file(str(folder / shard))
+        kept = {(n.replace(*rename) if rename else n): a for n, a in tensors.items() if n not in drop}
+        if kept != tensors:
+            safetensors.numpy.save_file(kept, str(folder / shard), metadata={"format": "pt"})
+    if update_map:
+        weight_map = {(n.replace(*rename) if rename else n): s for n, s in weight_map.items() if n not in drop}
+    if add:
+        safetensors.numpy.save_file(add, str(folder / "extra.safetensors"), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(add, "extra.safetensors"))
+    doc["weight_map"] = weight_map
+    index_path.write_text(json.dumps(doc))
+
+
+def _set_config(folder: Path, **changes: Any) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _refused(folder: Path, *needles: str) -> str:
+    from iosched import load_index
+
+    with pytest.raises(CheckpointError) as info:
+        load_index(folder)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def test_an_expert_missing_a_tensor_is_refused_by_name(corpus: Corpus, tmp_path: Path) -> None:
+    folder = _layout(corpus, "qwen3_moe", tmp_path)
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    _rewrite(folder, drop=(gone,))
+    _refused(folder, str(folder), "expert (layer 1, expert 2) has no 'up_proj' tensor",
+             "'model.layers.1.mlp.experts.0.up_proj.weight'")
+    # the shard lost it but the index still lists it: the index is refused, naming both
+    stale = _layout(corpus, "qwen3_moe", tmp_path / "stale")
+    _rewrite(stale, drop=(gone,), update_map=False)
+    _refused(stale, repr(gone), "has no such tensor")
+
+
+def test_fused_tensors_of_a_layer_disagreeing_on_experts_are_refused(corpus: Corpus, tmp_path: Path) -> None:
+    folder = _layout(corpus, "gpt_oss", tmp_path)
+    name = "model.layers.0.mlp.experts.down_proj"
+    shard = json.loads((folder / INDEX_JSON).read_text())["weight_map"][name]
+    tensors = safetensors.numpy.load_file(str(folder / shard))
+    tensors[name] = np.ascontiguousarray(tensors[name][:3])
+    safetensors.numpy.save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    message = _refused(folder, str(folder), repr(name), f"{name}' [3, ", "holds 3", "holds 4")
+    assert re.match(rf"{re.escape(str(folder))}/[^:]+\.safetensors: fused expert tensor '", message), message
+
+
+@pytest.mark.parametrize("model_type, key", [("gpt_oss", "num_local_experts"), ("qwen3_moe", "num_local_experts")])
+def test_config_json_disagreeing_with_the_tensors_is_refused(corpus: Corpus, tmp_path: Path, model_type: str,
+                                                             key: str) -> None:
+    folder = _layout(corpus, model_type, tmp_path)
+    _set_config(folder, **{key: 8})
+    message = _refused(folder, str(folder / "config.json"), f"key {key!r}", "8")
+    if model_type == "gpt_oss":  # fused: the tensor is named with its shape
+        assert "'model.layers.0.mlp.experts." in message and "[4, " in message
+
+
+def test_fused_experts_under_an_unknown_block_are_refused_saying_what_was_found(corpus: Corpus,
+                                                                                tmp_path: Path) -> None:
+    folder = _layout(corpus, "gpt_oss", tmp_path)
+    _rewrite(folder, rename=(".mlp.experts.", ".foo.experts."))
+    message = _refused(folder, "no expert tensors found", str(folder), "found instead",
+                       "unsupported block name 'foo'", "fused 3-D expert tensors (e.g. shape [4, ")
+    assert re.search(r"'model\.layers\.[0-9]\.foo\.experts\.[a-z_]+'", message), message
+
+
+def test_mtp_layers_are_left_out_never_colliding(corpus: Corpus, tmp_path: Path) -> None:
+    """DeepSeek writes its multi-token-prediction layer as ``model.layers.<num_hidden_layers>``;
+    other models as an ``mtp.layers.*`` stack: both are skipped (kind ``mtp``), the model's own
+    layers indexed as before."""
+    folder = _layout(corpus, "deepseek_v3", tmp_path)
+    before = load_folder(folder)
+    n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    ref = safetensors.numpy.load_file(str(next(folder.glob("*.safetensors"))))
+    layer1 = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        layer1.update({n: a for n, a in safetensors.numpy.load_file(str(shard)).items()
+                       if n.startswith("model.layers.1.mlp.")})
+    del ref
+    add = {n.replace("model.layers.1.", f"model.layers.{n_layers}."): a for n, a in layer1.items()}
+    add |= {n.replace("model.layers.1.", "mtp.layers.0."): a for n, a in layer1.items()}
+    _rewrite(folder, add=add)
+    after = load_folder(folder)
+    assert set(after.experts) == set(before.experts)
+    (mtp,) = [s for s in after.skipped if s.kind == "mtp"]
+    assert mtp.count == len(add)
+
+
+def test_a_towers_experts_are_left_out_when_the_language_models_exist(corpus: Corpus, tmp_path: Path) -> None:
+    folder = _layout(corpus, "qwen3_vl_moe", tmp_path)
+    before = load_folder(folder)
+    lay = before.experts[min(before.experts)]
+    ref = corpus.reference(next(e for e in corpus.built() if e.model_type == "qwen3_vl_moe"))
+    add = {f"visual.blocks.0.mlp.experts.{e}.{t.name}.weight": np.ascontiguousarray(
+        expected_tensor(ref, t.source_name)) for e in range(2) for t in lay.tensors if t.name == "down_proj"}
+    _rewrite(folder, add=add)
+    after = load_folder(folder)
+    assert set(after.experts) == set(before.experts)
+    (tower,) = [s for s in after.skipped if s.kind == "tower"]
+    assert tower.count == len(add) and tower.example.startswith("visual.blocks.0.mlp.experts.")
+
+
+def test_skipped_kinds_are_recorded(corpus: Corpus) -> None:
+    kinds: dict[str, set[str]] = {}
+    for e, index in corpus.opened():
+        for s in index.skipped:
+            kinds.setdefault(s.kind, set()).add(e.model_type)
+            assert s.count > 0 and s.example and s.reason
+    assert {"dense", "shared_expert", "router", "attention_experts"} <= set(kinds), kinds
+    assert "jetmoe" in kinds["attention_experts"]
+    index = next(i for e, i in corpus.opened() if e.model_type == "deepseek_v3")
+    assert {"dense", "shared_expert", "router"} <= {s.kind for s in index.skipped}
+
+
+def test_encoder_decoder_stacks_are_numbered_apart(corpus: Corpus) -> None:
+    for model_type in ("nllb-moe", "switch_transformers"):
+        index = next(i for e, i in corpus.opened() if e.model_type == model_type)
+        assert any(n.startswith("encoder-decoder:") for n in index.notes), index.notes
+
+
+# --------------------------------------------------------------------------- k and E
+
+
+K_LIKE = re.compile(r"top_?k|per_tok|(^|_)k($|_)")
+NOT_K = {
+    "index_topk": "tokens the sparse-attention indexer keeps (DeepSeek-V3.2, GLM-5)",
+    "index_topk_blocks": "blocks the sparse-attention indexer keeps",
+    "topk_group": "expert groups a token may use (group-limited routing), not experts",
+    "topk_method": "a routing method's name",
+    "norm_topk_prob": "a flag",
+    "centroid_intermediate_top_k": "a retrieval head's setting (Gemma 4 assistant)",
+}
+"""Fields that match :data:`K_LIKE` near an expert or MoE setting but are not k, and why."""
+
+
+def _moe_fields() -> set[str]:
+    """Field names of the installed transformers' config classes (and sub-configs), with their
+    ``attribute_map`` aliases, that speak of experts or MoE."""
+    registry, names = hc._mappings()
+    out: set[str] = set()
+    for model_type in names:
+        try:
+            cls = registry[model_type]
+        except Exception:
+            continue
+        fields = hc._field_names(cls)
+        for c in [cls, *(getattr(cls, "sub_configs", None) or {}).values()]:
+            for alias, real in (getattr(c, "attribute_map", None) or {}).items():
+                fields |= {alias, real}
+        out |= {f for f in fields if "expert" in f or "moe" in f or f == "top_k"}
+    return out
+
+
+def test_every_k_spelling_of_the_installed_transformers_is_read() -> None:
+    fields = _moe_fields()
+    k_like = {f for f in fields if K_LIKE.search(f)}
+    assert {"num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts"} <= k_like
+    missing = sorted(k_like - set(EXPERTS_PER_TOKEN_KEYS) - set(NOT_K))
+    assert not missing, f"config fields that look like k but _hf_names.EXPERTS_PER_TOKEN_KEYS lacks: {missing}"
+
+
+def test_every_expert_count_spelling_of_the_installed_transformers_is_read() -> None:
+    from iosched._hf_names import EXPERT_COUNT_KEYS
+
+    fields = _moe_fields()
+    counts = {f for f in fields if re.search(r"(^|_)(num|n)_.*experts$|experts_num$|^moe_num_experts$", f)
+              and "shared" not in f}
+    assert {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"} <= counts
+    missing = sorted(counts - set(EXPERT_COUNT_KEYS))
+    assert not missing, f"config fields that count experts but _hf_names.EXPERT_COUNT_KEYS lacks: {missing}"
+
+
+@pytest.mark.parametrize("config, k, source, by_layer", [
+    ({"num_experts_per_tok": [2, 2, 2]}, 2, "'num_experts_per_tok'", {0: 2, 1: 2, 2: 2}),
+    ({"num_experts_per_tok": None, "thinker_config": {"text_config": {"num_experts_per_tok": 3}}}, 3,
+     "'thinker_config.text_config.num_experts_per_tok'", None),
+    ({"num_experts_per_tok": None, "ffn_config": {"moe_top_k": 1, "moe_num_experts": 4}}, 1,
+     "'ffn_config.moe_top_k'", None),
+    ({"num_experts_per_tok": None, "top_k_experts": 4}, 4, "'top_k_experts'", None),
+    ({"num_experts_per_tok": None, "moe_k": 2}, 2, "'moe_k'", None),
+])
+def test_k_spellings_nested_and_per_layer(corpus: Corpus, tmp_path: Path, config: dict[str, Any], k: int,
+                                          source: str, by_layer: dict[int, int] | None) -> None:
+    folder = _layout(corpus, "qwen3_moe", tmp_path)
+    _set_config(folder, **config)
+    index = load_folder(folder)
+    assert index.experts_per_token == k and source in index.k_source
+    assert index.k_by_layer == by_layer
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"num_experts_per_tok": [2, 5, 2]}, "experts per token of layer 1 is 5, more than its 4 experts"),
+    ({"num_experts_per_tok": None, "moe_topk": 6}, "'moe_topk': experts per token is 6, more than 4 experts"),
+    ({"num_local_experts": None, "ffn_config": {"moe_num_experts": 8}}, "key 'ffn_config.moe_num_experts' says 8"),
+    ({"num_experts_per_tok": [2, 0, 2]}, "key 'num_experts_per_tok' is a list of 3 items, not a positive integer"),
+])
+def test_k_and_e_are_validated_against_the_experts(corpus: Corpus, tmp_path: Path, config: dict[str, Any],
+                                                   needle: str) -> None:
+    folder = _layout(corpus, "qwen3_moe", tmp_path)
+    _set_config(folder, **config)
+    with pytest.raises(CheckpointError) as info:
+        load_folder(folder)
+    assert needle in str(info.value) and str(folder / "config.json") in str(info.value)
