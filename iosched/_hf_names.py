@@ -29,6 +29,7 @@ message says what was found), never guessed at.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -197,8 +198,10 @@ def _block_kind(block: str, kind: str) -> str:
     return "unsupported_block"
 
 
+@functools.lru_cache(maxsize=1024)
 def stack_kind(stack: str) -> str:
-    """``mtp``, ``tower`` or ``language`` for a stack prefix (:data:`TOWER_WORDS`)."""
+    """``mtp``, ``tower`` or ``language`` for a stack prefix (:data:`TOWER_WORDS`); cached, as a
+    checkpoint has a few stacks and tens of thousands of tensors."""
     parts = [p for p in stack.lower().split(".") if p]
     if any(p == "mtp" or p.startswith("mtp_") for p in parts):
         return "mtp"

@@ -9,6 +9,15 @@ tensors, which can be hundreds of gigabytes.
 Every header is validated in full (shape against byte size, bounds, overlaps), not just its
 expert entries: a header that lies about one tensor cannot be trusted about the others.
 
+Which tensors are experts is read from their names by the tables of :mod:`iosched._hf_names`
+(per-expert ``...experts.<E>.<suffix>`` under any of the MoE blocks transformers writes, and
+fused tensors holding every expert on their first axis, sliced here into one contiguous
+extent per expert, with zero-copy ``gate_proj``/``up_proj`` views where the split is known);
+what ``config.json`` says (k, E, the architecture, the layer count) by
+:mod:`iosched._hf_config`.  What is left out on purpose (dense MLPs, shared experts, routers,
+MTP layers, towers, attention experts, experts under an unknown block) is counted in
+``IndexNotes.skipped``, so a checkpoint with no expert tensors is refused saying what it holds.
+
 Data types: ``BF16`` maps to ``ml_dtypes.bfloat16`` and ``F8_E4M3``/``F8_E5M2``/``F8_E8M0``
 to the ``ml_dtypes`` float8 types (``float8_e8m0fnu``: the MXFP4 scales of gpt-oss;
 ``ml_dtypes`` is a dependency); should it be missing they map to
@@ -368,7 +377,7 @@ def _weight_map_entries(folder: Path, index_json: Path) -> list[Located]:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _Candidate:
     parsed: Parsed
     layer: int
@@ -577,8 +586,9 @@ def _derived(group: list[_Candidate], facts: ConfigFacts, notes: list[str]) -> d
         gu = shapes[name]
         if not convention:
             arch = facts.architectures[0] if facts.architectures else "unknown"
-            notes.append(f"{quote(c.entry.name)}: kept whole (gate and up fused); the gate/up split of "
-                         f"architecture {arch!r} is not known")
+            note = f"fused {name!r} kept whole: the gate/up split of architecture {arch!r} is not known"
+            if note not in notes:
+                notes.append(note)
             continue
         if len(gu) != 2 or len(down) != 2:
             continue
@@ -587,8 +597,9 @@ def _derived(group: list[_Candidate], facts: ConfigFacts, notes: list[str]) -> d
         elif gu[0] == 2 * down[1] and gu[1] == down[0]:
             axis, two_i = 0, gu[0]
         else:
-            notes.append(f"{quote(c.entry.name)}: kept whole: its shape {list(gu)} does not match its down "
-                         f"projection's {list(down)}")
+            note = f"fused {name!r} kept whole: its shape {list(gu)} does not match its down projection's {list(down)}"
+            if note not in notes:
+                notes.append(note)
             continue
         parts = _split(convention, two_i)
         out[name] = tuple(DerivedTensor(role, name, axis, *span) for role, span in parts)
