@@ -71,8 +71,8 @@ def read_config(folder: Path) -> ConfigFacts:
             k = value
     n_experts, e_source, e_scope = (None, "", scopes[0][1]) if e_found is None else e_found
     n_layers = _layer_count(e_scope)
-    archs = tuple(dict.fromkeys(
-        s["model_type"] for _, s in scopes if isinstance(s.get("model_type"), str)))
+    archs = tuple(dict.fromkeys(  # a model_type is a short identifier; a longer string is no name
+        s["model_type"] for _, s in scopes if isinstance(s.get("model_type"), str) and len(s["model_type"]) <= 128))
     return ConfigFacts(k=k, k_source=k_source, k_by_layer=k_by_layer, n_experts=n_experts if isinstance(
         n_experts, int) else None, e_source=e_source, architectures=archs, n_layers=n_layers,
         scopes=tuple(p for p, _ in scopes))

@@ -122,6 +122,14 @@ architecture in neither table keeps its fused tensor whole: a guessed split woul
 engine the wrong weights."""
 
 
+MAX_NAME_CHARS = 1024
+"""A layer's tensor name longer than this (after the layer) is read only as a per-expert name
+(whose pattern runs in linear time, so an absurd expert id is still refused by name); the
+fused, router and dense patterns may backtrack, so a hostile header's megabyte-long names
+would cost them quadratic time.  The longest real names are about 100 characters
+(``model.language_model.layers.47.mlp.experts.127.gate_proj.weight_scale_inv``)."""
+
+
 @dataclass(frozen=True)
 class Parsed:
     """One tensor name read by :func:`parse`."""
@@ -171,6 +179,8 @@ def parse(name: str) -> Parsed | None:
     if e is not None:
         block = e.group(1) or ""
         return Parsed(_block_kind(block, "expert"), stack, layer, block, e.group(2), e.group(3))
+    if len(rest) > MAX_NAME_CHARS:  # the patterns below may backtrack; no real name is this long
+        return Parsed("none", stack, layer, "")
     f = _FUSED_RE.fullmatch(rest)
     if f is not None:
         block, fused = f.group(1) or "", f.group(2)

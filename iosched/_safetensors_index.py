@@ -404,7 +404,7 @@ def _unsupported_reason(p: Parsed, entry: HeaderEntry) -> str:
     known = ", ".join(repr(b) for b in EXPERT_BLOCKS if b)
     what = ("per-expert tensors" if p.expert
             else f"fused {len(entry.shape)}-D expert tensors (e.g. shape {list(entry.shape)})")
-    return f"{what} under unsupported block name {p.block!r} (known: {known}, or none)"
+    return f"{what} under unsupported block name {quote(p.block)} (known: {known}, or none)"
 
 
 def _assemble(entries: list[Located], facts: ConfigFacts, where: object) -> tuple[list[RawExpertTensor], IndexNotes]:
@@ -500,7 +500,7 @@ def _stack_offsets(found: list[_Candidate], most_layer: dict[str, int], skips: _
     else:
         language = towers
         if towers:
-            notes.append(f"only a tower's experts were found ({', '.join(repr(t) for t in towers)}): indexed")
+            notes.append(f"only a tower's experts were found ({', '.join(quote(t) for t in towers[:4])}): indexed")
     if len(language) <= 1:
         return {s: 0 for s in language}
     if len(language) == 2:
@@ -508,8 +508,8 @@ def _stack_offsets(found: list[_Candidate], most_layer: dict[str, int], skips: _
         if encoder.endswith("encoder.") and decoder.endswith("decoder.") and (
                 encoder[: -len("encoder.")] == decoder[: -len("decoder.")]):
             shift = most_layer[encoder] + 1
-            notes.append(f"encoder-decoder: {encoder}* layers keep their numbers, {decoder}* layer l is "
-                         f"layer {shift} + l")
+            notes.append(f"encoder-decoder: {quote(encoder + '*')} layers keep their numbers, "
+                         f"{quote(decoder + '*')} layer l is layer {shift} + l")
             return {encoder: 0, decoder: shift}
     examples = ", ".join(quote(next(c.entry.name for c in found if c.parsed.stack == s)) for s in language)
     raise CheckpointError(
@@ -586,7 +586,7 @@ def _derived(group: list[_Candidate], facts: ConfigFacts, notes: list[str]) -> d
         gu = shapes[name]
         if not convention:
             arch = facts.architectures[0] if facts.architectures else "unknown"
-            note = f"fused {name!r} kept whole: the gate/up split of architecture {arch!r} is not known"
+            note = f"fused {quote(name)} kept whole: the gate/up split of architecture {quote(arch)} is not known"
             if note not in notes:
                 notes.append(note)
             continue
@@ -597,7 +597,8 @@ def _derived(group: list[_Candidate], facts: ConfigFacts, notes: list[str]) -> d
         elif gu[0] == 2 * down[1] and gu[1] == down[0]:
             axis, two_i = 0, gu[0]
         else:
-            note = f"fused {name!r} kept whole: its shape {list(gu)} does not match its down projection's {list(down)}"
+            note = (f"fused {quote(name)} kept whole: its shape {list(gu)} does not match its down "
+                    f"projection's {list(down)}")
             if note not in notes:
                 notes.append(note)
             continue

@@ -317,7 +317,15 @@ def build_corpus(root: Path) -> list[Entry]:
     """Every MoE config class's tiny checkpoint under ``root`` (module docstring)."""
     import torch
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they save
+    try:
+        return _build_all(root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_all(root: Path) -> list[Entry]:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import importlib

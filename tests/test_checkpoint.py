@@ -505,3 +505,17 @@ def test_two_ggufs_in_a_folder(tmp_path: Path) -> None:
     write_gguf_moe(tmp_path / "a.gguf", **SIZES)
     write_gguf_moe(tmp_path / "b.gguf", **SIZES)
     _raises(tmp_path, "a.gguf", "b.gguf")
+
+
+def test_megabyte_long_names_cost_no_regex_time(tmp_path: Path) -> None:
+    """A hostile header's names full of ``experts.`` and dots: read in linear time (the fused,
+    router and dense patterns, which may backtrack, never see a name past 1024 characters)."""
+    import time
+
+    header = {"model.layers.0." + "experts." * 250_000 + "x": expert_entry([0, 16]),
+              "model.layers.0." + "a." * 500_000 + "gate": expert_entry([16, 32])}
+    file = raw_safetensors(tmp_path / "long.safetensors", header, bytes(32))
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="no expert tensors found"):
+        load_index(file)
+    assert time.monotonic() - start < 5
