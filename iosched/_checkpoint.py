@@ -69,7 +69,7 @@ def _load(path: Path) -> CheckpointIndex:
         return _load_folder(path, root)
     if stat.S_ISREG(st.st_mode):
         if path.suffix == ".safetensors":
-            return build_index("safetensors", root, _safetensors_index.index_file(path))
+            return _safetensors_index.load_file(path, root)
         if path.suffix == ".gguf":
             return _build_gguf(_gguf_index.read_gguf(path), root)
     raise CheckpointError(
@@ -87,9 +87,7 @@ def _load_folder(folder: Path, root: str) -> CheckpointIndex:
         name.endswith(".safetensors") for name in names
     )
     if has_safetensors:
-        (k, k_source), (n_experts, e_source) = _safetensors_index.config_counts(folder)
-        raws = _safetensors_index.index_folder(folder)
-        return build_index("safetensors", root, raws, k, k_source, n_experts, e_source)
+        return _safetensors_index.load_folder(folder, root)
     if any(name.endswith(".gguf") for name in names):
         return _build_gguf(_gguf_index.read_gguf_folder(folder, names), root)
     raise CheckpointError(

@@ -64,10 +64,9 @@ from iosched import _pack_meta as meta
 from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError, StoreError
 from iosched._gguf_header import read_header as read_gguf_header
+from iosched._hf_names import parse as parse_hf_name
 from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout, GgmlType
 from iosched._safetensors_index import (
-    _CANONICAL,
-    _EXPERT_RE,
     _ITEMSIZE,
     CONFIG_JSON,
     INDEX_JSON,
@@ -312,13 +311,25 @@ def _gguf_types(path: Path) -> tuple[dict[str, tuple[GgmlType, tuple[int, ...]]]
     return out, big_endian
 
 
-def _dst_name(fmt: str, key: ExpertKey, name: str, source_name: str) -> str:
+def _keeps_names(index: CheckpointIndex) -> bool:
+    """Whether every expert tensor of ``index`` may keep its name in the copy: a per-expert
+    safetensors name whose layer and expert are the index's own (iosched's reader then maps it
+    back to the same key and role). Fused slices (``name[e]``) and renumbered stacks (an
+    encoder-decoder's decoder layers) are renamed, all of them, so the copy has one stack."""
+    if index.format != "safetensors":
+        return False
+    for lay in index.experts.values():
+        for spec in lay.tensors:
+            p = parse_hf_name(spec.source_name)
+            if p is None or p.what != "expert" or (int(p.layer), int(p.expert)) != lay.key:
+                return False
+    return True
+
+
+def _dst_name(keep: bool, key: ExpertKey, name: str, source_name: str) -> str:
     """The destination's name for expert ``key``'s tensor ``name`` (module docstring)."""
-    if fmt == "safetensors":
-        m = _EXPERT_RE.fullmatch(source_name)
-        if m is not None and (int(m.group(1)), int(m.group(2))) == key and _CANONICAL.get(m.group(3), m.group(3)) \
-                == name:
-            return source_name
+    if keep:
+        return source_name
     suffix = f"{name}.weight" if name in _ROLE_NAMES else name
     return f"model.layers.{key[0]}.mlp.experts.{key[1]}.{suffix}"
 
@@ -420,6 +431,7 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
         plan.other_tensors += 1
         plan.other_bytes += o.nbytes
 
+    keep = _keeps_names(index)
     for key in sorted(index.experts):
         lay = index.experts[key]
         s = room(lay.nbytes, _round_up(shard.size, align))
@@ -432,7 +444,7 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
             s.units.append(_Unit(s.size, begin - s.size, (), [t]))
         unit = _Unit(begin, lay.nbytes, tuple((index.files[e.file], e.offset, e.length) for e in lay.extents), [],
                      key)
-        plan.ggml[key] = _expert_tensors(index, lay, unit, s, dtype_of, ggml_of, src_meta)
+        plan.ggml[key] = _expert_tensors(index, lay, unit, s, dtype_of, ggml_of, src_meta, keep)
         for t in unit.tensors:
             add(t)
         s.units.append(unit)
@@ -450,11 +462,11 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
 
 def _expert_tensors(index: CheckpointIndex, lay: ExpertLayout, unit: _Unit, shard: _Shard,
                     dtype_of: Mapping[str, str], ggml_of: Mapping[str, tuple[GgmlType, tuple[int, ...]]],
-                    src_meta: Mapping[str, str]) -> dict[str, GgmlType]:
+                    src_meta: Mapping[str, str], keep: bool) -> dict[str, GgmlType]:
     """Fill ``unit.tensors`` (and the shard's metadata) for expert ``lay``; its GGML types."""
     types: dict[str, GgmlType] = {}
     for spec in lay.tensors:
-        name = _dst_name(index.format, lay.key, spec.name, spec.source_name)
+        name = _dst_name(keep, lay.key, spec.name, spec.source_name)
         m = _SLICE_RE.fullmatch(spec.source_name)
         base = m.group(1) if m else spec.source_name
         if index.format == "gguf":

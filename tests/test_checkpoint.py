@@ -183,6 +183,79 @@ def test_prefixed_names_and_other_suffixes(tmp_path: Path) -> None:
     assert len(index.experts[(2, 0)].extents) == 1
 
 
+def _gpt_oss_mxfp4(folder: Path, experts: int = 4, hidden: int = 64, inter: int = 32) -> dict[str, Any]:
+    """gpt-oss's release layout, written by safetensors' torch writer: MXFP4 experts as
+    ``_blocks`` (U8, 16 bytes = 32 values a block) and ``_scales`` (F8_E8M0), biases in BF16."""
+    import safetensors.torch
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    p = "model.layers.0.mlp.experts"
+    tensors = {
+        f"{p}.gate_up_proj_blocks": torch.randint(0, 256, (experts, 2 * inter, hidden // 32, 16), generator=gen,
+                                                  dtype=torch.uint8),
+        f"{p}.gate_up_proj_scales": torch.randint(100, 140, (experts, 2 * inter, hidden // 32), generator=gen,
+                                                  dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        f"{p}.gate_up_proj_bias": torch.randn(experts, 2 * inter, generator=gen).to(torch.bfloat16),
+        f"{p}.down_proj_blocks": torch.randint(0, 256, (experts, hidden, inter // 32, 16), generator=gen,
+                                               dtype=torch.uint8),
+        f"{p}.down_proj_scales": torch.randint(100, 140, (experts, hidden, inter // 32), generator=gen,
+                                               dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        f"{p}.down_proj_bias": torch.randn(experts, hidden, generator=gen).to(torch.bfloat16),
+        "model.layers.0.mlp.router.weight": torch.randn(experts, hidden, generator=gen),
+    }
+    folder.mkdir()
+    safetensors.torch.save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "gpt_oss", "num_local_experts": experts, "experts_per_token": 2}))
+    return tensors
+
+
+def test_mxfp4_blocks_and_f8_e8m0_scales_travel_with_their_expert(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed: it writes the F8_E8M0 tensors")
+    folder = tmp_path / "gpt-oss"
+    tensors = _gpt_oss_mxfp4(folder)
+    index = load_index(folder)
+    assert index.experts_per_token == 2 and "'experts_per_token'" in index.k_source
+    assert sorted(index.experts) == [(0, e) for e in range(4)]
+    p = "model.layers.0.mlp.experts"
+    for e in range(4):
+        lay = index.experts[(0, e)]
+        buf = read_expert(index, lay)
+        assert {t.name for t in lay.tensors} == {"gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                                 "down_proj_blocks", "down_proj_scales", "down_proj_bias"}
+        for t in lay.tensors:
+            want = tensors[f"{p}.{t.name}"][e]
+            assert t.source_name == f"{p}.{t.name}[{e}]" and t.shape == tuple(want.shape)
+            raw = want.contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
+            assert buf[t.buf_offset : t.buf_offset + t.nbytes] == raw
+        kinds = {t.name: t.dtype for t in lay.tensors}
+        assert kinds["gate_up_proj_scales"] == np.dtype(ml_dtypes.float8_e8m0fnu)
+        assert kinds["gate_up_proj_bias"] == np.dtype(ml_dtypes.bfloat16)
+        assert kinds["down_proj_blocks"] == np.uint8
+        assert lay.derived == ()  # packed blocks: no zero-copy gate/up views of MXFP4
+
+
+def test_mxfp4_scales_typed_in_the_view(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed: it writes the F8_E8M0 tensors")
+    import asyncio
+
+    from iosched import ExpertStore
+
+    folder = tmp_path / "gpt-oss"
+    tensors = _gpt_oss_mxfp4(folder)
+
+    async def main() -> None:
+        async with await ExpertStore.open(folder, budget_bytes=1 << 20, backend="pread") as store:
+            async with store.acquire((0, 1)) as view:
+                scales = view.tensors["gate_up_proj_scales"]
+                want = tensors["model.layers.0.mlp.experts.gate_up_proj_scales"][1]
+                assert scales.dtype == np.dtype(ml_dtypes.float8_e8m0fnu)
+                np.testing.assert_array_equal(scales.astype(np.float32), want.float().numpy())
+
+    asyncio.run(main())
+
+
 def test_files_without_experts_are_left_out(tmp_path: Path) -> None:
     folder = write_safetensors_moe(tmp_path / "ck", dtype="float16", index_json=False, **SIZES)
     safetensors.numpy.save_file({"lm_head.weight": np.zeros((4, 4), np.float16)}, str(folder / "zz_head.safetensors"))
@@ -658,3 +731,17 @@ def test_gguf_bf16_vectors_per_expert_and_quantized_vectors(tmp_path: Path) -> N
     path = gguf_moe(tmp_path / "q.gguf", {**base, "blk.0.ffn_down_exps.scale": (q8, gguf.GGMLQuantizationType.Q8_0)},
                     n_experts=None)
     _raises(path, "q.gguf", "'blk.0.ffn_down_exps.scale' is a Q8_0 vector")
+
+
+def test_megabyte_long_names_cost_no_regex_time(tmp_path: Path) -> None:
+    """A hostile header's names full of ``experts.`` and dots: read in linear time (the fused,
+    router and dense patterns, which may backtrack, never see a name past 1024 characters)."""
+    import time
+
+    header = {"model.layers.0." + "experts." * 250_000 + "x": expert_entry([0, 16]),
+              "model.layers.0." + "a." * 500_000 + "gate": expert_entry([16, 32])}
+    file = raw_safetensors(tmp_path / "long.safetensors", header, bytes(32))
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="no expert tensors found"):
+        load_index(file)
+    assert time.monotonic() - start < 5
