@@ -65,7 +65,8 @@ TINY: dict[str, int] = {
     "n_group": 1, "topk_group": 1, "num_expert_group": 1, "zero_expert_num": 0,
 }  # fmt: skip
 """Generic size keys -> tiny values, applied at every level of the config (towers too); a
-``head_dim`` left unset (``None``) gets its tiny value too (Hunyuan's default leaves it so)."""
+size left unset (``None``) gets its tiny value too (Hunyuan's default leaves ``head_dim`` so,
+Gemma 4 its MoE widths until ``enable_moe_block`` turns the block on)."""
 MAX_PARAMETERS = 25_000_000
 """A model still larger than this once shrunk is listed, not built (its size is counted on
 the meta device first, which costs nothing): it would cost the corpus its time budget."""
@@ -168,7 +169,7 @@ def shrink(d: dict[str, Any], n_layers: int = N_LAYERS, k: int = K) -> dict[str,
             out[key] = token_id(value)
         elif key.endswith("token_id") and isinstance(value, list) and all(isinstance(x, int) for x in value):
             out[key] = [token_id(x) for x in value]
-        elif key == "head_dim" and value is None:
+        elif key in TINY and value is None:  # a size left unset (Gemma 4's MoE widths, Hunyuan's head_dim)
             out[key] = TINY[key]
         elif key in ("rope_parameters", "rope_scaling") and isinstance(value, dict) and isinstance(
                 value.get("mrope_section"), list) and len(value["mrope_section"]) == 3:
