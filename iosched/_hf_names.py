@@ -110,7 +110,8 @@ even positions, up at odd): gpt-oss's ``gate_up_proj`` (``gate_up[..., ::2], gat
 in transformers' gpt-oss), Inkling 2's ``w13_weight`` (transformers' conversion mapping
 de-interleaves it into halves on load, ``Interleave(dim=1)``)."""
 HALVES = frozenset({
-    "aria", "aria_text", "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text", "glm4v_moe", "glm4v_moe_text", "granitemoe", "granitemoe_swa", "granitemoeshared",
+    "aria", "aria_text", "diffusion_gemma", "diffusion_gemma_text", "gemma4", "gemma4_text", "glm4v_moe",
+    "glm4v_moe_text", "granitemoe", "granitemoe_swa", "granitemoeshared",
     "granitemoehybrid", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "inkling", "inkling_text", "jetmoe", "lara_mini",
     "llama4", "llama4_text", "minimax_m3_vl", "minimax_m3_vl_text", "mistral4", "muse_spark", "muse_spark_text",
     "openai_privacy_filter", "qwen3_vl_moe", "qwen3_vl_moe_text", "zaya",
