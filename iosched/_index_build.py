@@ -51,9 +51,9 @@ from iosched._layout import (
 from iosched._untrusted import quote
 
 EXPECTED_NAMES = (
-    "model.layers.{L}.mlp.experts.{E}.{gate_proj,up_proj,down_proj}.weight, "
-    "model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w2,w3}.weight (safetensors) or "
-    "blk.{L}.ffn_{gate,up,down}_exps.weight (GGUF)"
+    "model.layers.{L}.{mlp,block_sparse_moe,feed_forward,ffn,mixer}.experts.{E}.{gate_proj,up_proj,down_proj,"
+    "w1,w2,w3}.weight, fused [E, ...] tensors model.layers.{L}.mlp.experts.{gate_up_proj,down_proj} "
+    "(safetensors; docs/formats.md lists every layout) or blk.{L}.ffn_{gate,up,gate_up,down}_exps.weight (GGUF)"
 )
 """Shown when a checkpoint holds no expert tensor at all."""
 

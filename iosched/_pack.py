@@ -682,7 +682,8 @@ def _check_expert(index: CheckpointIndex, got: CheckpointIndex, plan: _Plan, uni
 
     if specs(a) != specs(b) or a.derived != b.derived:
         raise bad(f"holds tensors {specs(b)}, the source {specs(a)}")
-    want = plan.ggml[key]
+    want = dict(plan.ggml[key])  # the stored tensors' types; a derived view has its parent's
+    want.update({d.name: want[d.parent] for d in b.derived if d.parent in want})
     if dict(b.ggml_types) != want or (a.ggml_types and dict(a.ggml_types) != want):
         raise bad(f"has GGML types {dict(b.ggml_types)}, the source {want}")
     data = dst.read(got.files[ext.file], ext.offset, ext.length)

@@ -215,10 +215,14 @@ def _ggml(path: str, spec: TensorSpec, raw: str) -> GgmlType:
     if ggml_type is None:
         raise bad(f"names unknown GGML type {quote(doc['type'])}")
     shape = doc["shape"]
-    if not 1 <= len(shape) <= 4 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
-                                           for d in shape):
-        raise bad(f"shape {quote(shape)} is not 1 to 4 positive integers")
+    if len(shape) > 4 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise bad(f"shape {quote(shape)} is not 0 to 4 positive integers")
     block, size = ggml_type.block_size, ggml_type.type_size
+    if not shape:  # one value per expert (Gemma 4's ffn_down_exps.scale): a scalar of a plain type
+        if block != 1 or spec.nbytes != size or spec.shape != ():
+            raise bad(f"says a {ggml_type.name} scalar, but the tensor is {spec.dtype} of shape "
+                      f"{list(spec.shape)} ({spec.nbytes} bytes)")
+        return ggml_type
     if shape[-1] % block:
         raise bad(f"shape {quote(shape)}: rows of {shape[-1]} are not whole {ggml_type.name} blocks of {block}")
     as_bytes = (*shape[:-1], shape[-1] // block * size)

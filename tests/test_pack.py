@@ -383,3 +383,60 @@ def test_sharded_source_with_and_without_weight_map(tmp_path: Path, index_json: 
     assert report.verified and report.other_tensors == 1 + 2 * 3  # embedding, attention and router per layer
     assert all(len(lay.extents) == 1 and lay.extents[0].offset % 4096 == 0 for lay in after.experts.values())
     assert all(extent_bytes(after, key) == extent_bytes(before, key) for key in before.experts)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("arch,qtype,layout,variant", [
+    ("gemma4", "Q4_K", "fused", ""),      # fused gate_up_exps with zero-copy halves, a scalar scale per expert
+    ("qwen3moe", "Q8_0", "separate", "split"),  # a split set: every shard's experts into one copy
+    ("gpt-oss", "MXFP4", "separate", ""),  # MXFP4 experts with per-expert biases
+])
+async def test_packing_llama_cpp_layouts(tmp_path: Path, backend: str, arch: str, qtype: str, layout: str,
+                                         variant: str) -> None:
+    """GGUF layouts of the conformance corpus (tests/_gguf_corpus.py) pack to one aligned extent
+    per expert whose store views equal the source's: bytes, dtypes, shapes, derived views and
+    GGML types."""
+    from tests import _gguf_corpus as gc
+
+    case = next(c for c in gc.cases() if (c.arch, c.qtype, c.layout, c.variant) == (arch, qtype, layout, variant))
+    src = gc.write_case(case, tmp_path / "src").source
+    report = pack_checkpoint(src, tmp_path / "dst")
+    assert report.verified and report.extents_after == len(load_index(src).experts)
+    async with await ExpertStore.open(src, budget_bytes=1 << 22, backend=backend) as a, \
+            await ExpertStore.open(tmp_path / "dst", budget_bytes=1 << 22, backend=backend) as b:
+        assert set(a.index.experts) == set(b.index.experts)
+        for key in sorted(a.index.experts):
+            assert len(b.index.experts[key].extents) == 1
+            async with a.acquire(key) as va, b.acquire(key) as vb:
+                assert va.data.tobytes() == vb.data.tobytes()
+                assert set(va.tensors) == set(vb.tensors)
+                for name, arr in va.tensors.items():
+                    assert vb.tensors[name].dtype == arr.dtype and vb.tensors[name].shape == arr.shape, name
+                    assert vb.tensors[name].tobytes() == arr.tobytes(), name
+                assert dict(va.ggml_types) == dict(vb.ggml_types) and va.ggml_types
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text", "granitemoe"])
+async def test_packing_fused_transformers_checkpoints(tmp_path: Path, model_type: str) -> None:
+    """Fused 3-D experts as transformers saves them (tests/_hf_corpus.py): each expert's slices
+    of the fused tensors (and biases) pack into one aligned extent; its views, derived halves
+    included, equal the source's."""
+    from tests import _hf_corpus as hc
+
+    cls = dict(hc.moe_config_classes())[model_type]
+    entry = hc.build_one(model_type, cls, tmp_path / "src")
+    assert entry.folder is not None, entry.error
+    report = pack_checkpoint(entry.folder, tmp_path / "dst")
+    assert report.verified
+    async with await ExpertStore.open(entry.folder, budget_bytes=1 << 22, backend="pread") as a, \
+            await ExpertStore.open(tmp_path / "dst", budget_bytes=1 << 22, backend="pread") as b:
+        assert set(a.index.experts) == set(b.index.experts)
+        assert a.index.experts_per_token == b.index.experts_per_token
+        for key in sorted(a.index.experts):
+            assert len(b.index.experts[key].extents) == 1
+            async with a.acquire(key) as va, b.acquire(key) as vb:
+                assert va.data.tobytes() == vb.data.tobytes()
+                assert set(va.tensors) == set(vb.tensors) and len(va.tensors) > 2
+                for name, arr in va.tensors.items():
+                    assert vb.tensors[name].shape == arr.shape and vb.tensors[name].tobytes() == arr.tobytes(), name
