@@ -87,3 +87,22 @@ def test_a_refused_checkpoint_is_an_error_naming_it(tmp_path: Path) -> None:
     assert proc.returncode == 2
     err = json.loads(proc.stdout)
     assert err["type"] == "CheckpointError" and str(bad) in err["error"]
+
+
+def test_fused_gguf_views_carry_their_parents_ggml_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """llama.cpp's fused gate_up_exps (Gemma 4, Q4_K): the halves are views of the fused
+    tensor, listed with its GGML type."""
+    from tests import _gguf_corpus as gc
+
+    case = next(c for c in gc.cases() if (c.arch, c.qtype, c.layout, c.variant) == ("gemma4", "Q4_K", "fused", ""))
+    r = _inspect_json(gc.write_case(case, tmp_path).source, capsys)
+    expert = r["expert"]
+    assert isinstance(expert, dict)
+    views = {v["name"]: v for v in expert["views"]}
+    assert set(views) == {"gate_proj", "up_proj"}
+    assert all(v["of"] == "gate_up_proj" and v["ggml_type"] == "Q4_K" for v in views.values())
+    assert {t["name"]: t["ggml_type"] for t in expert["tensors"]}["gate_up_proj"] == "Q4_K"
+    skipped = r["skipped"]
+    assert isinstance(skipped, list)
+    kinds = {s["kind"] for s in skipped}
+    assert {"dense", "router"} <= kinds

@@ -100,7 +100,9 @@ def _expert(index: CheckpointIndex, layout: ExpertLayout) -> dict[str, Any]:
             "ggml_type_size": g.type_size if g is not None else None,
             "file": os.path.basename(index.files[t.file]), "offset": t.offset,
         })
-    derived = [{"name": d.name, "of": d.parent, "axis": d.axis, "slice": [d.start, d.stop, d.step]}
+    types = layout.ggml_types
+    derived = [{"name": d.name, "of": d.parent, "axis": d.axis, "slice": [d.start, d.stop, d.step],
+                "ggml_type": types[d.name].name if d.name in types else None}
                for d in layout.derived]
     return {"layer": layout.key[0], "expert": layout.key[1], "bytes": layout.nbytes,
             "extents": len(layout.extents), "tensors": tensors, "views": derived}
@@ -148,8 +150,10 @@ def render(r: dict[str, Any]) -> str:
     header = ("name", "dtype", "ggml", "shape", "bytes", "source tensor")
     rows = [(t["name"], t["dtype"], t["ggml_type"] or "-", "x".join(map(str, t["shape"])), str(t["bytes"]),
              t["source_name"]) for t in e["tensors"]]
-    rows += [(v["name"], "view", "-", f"{v['of']}[axis {v['axis']}: {v['slice'][0]}:{v['slice'][1]}:{v['slice'][2]}]",
-              "0", "(zero-copy view)") for v in e["views"]]
+    for v in e["views"]:
+        start, stop, step = v["slice"]
+        rows.append((v["name"], "view", v["ggml_type"] or "-", f"{v['of']}[axis {v['axis']}: {start}:{stop}:{step}]",
+                     "0", "(zero-copy view)"))
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
