@@ -18,13 +18,17 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from iosched import ExpertStore, StoreError, load_index, settings
+import numpy as np
 
+from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, load_index, settings
+
+from .compute import Compute, ComputeSpec
 from .synth import write_safetensors_moe
 from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
 
@@ -142,23 +146,45 @@ class EngineRun:
     """Every request, prefill included, and those of them that were hits (hit or join)."""
     requested_bytes: int
     hit_bytes: int
+    decode_compute_s: float = 0.0
+    """Time the compute itself took from the first decode token on (``Compute.seconds``)."""
 
 
-def _hit_counters(store: ExpertStore) -> tuple[int, int]:
+class EngineStore(Protocol):
+    """What :func:`drive_engine` calls on a store: :class:`iosched.ExpertStore`, or the
+    hand-written arm (``tools/handwritten.py``), so both run the same engine loop."""
+
+    def acquire_many(self, keys: Iterable[ExpertKey]) -> AbstractAsyncContextManager[list[ExpertView]]: ...
+
+    @property
+    def request_tally(self) -> RequestTally: ...
+
+    def token_boundary(self) -> None: ...
+
+    def end_turn(self) -> int: ...
+
+    def observe_routing(self, layer: int, experts: Any) -> None: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+def _hit_counters(store: EngineStore) -> tuple[int, int]:
     """``(requests, hits + single-flight joins)`` so far: the store's request tally (cheap:
     ``stats()`` builds a whole snapshot, and this runs once per batch)."""
     tally = store.request_tally
     return tally.requests, tally.hits + tally.single_flight_joins
 
 
-async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
+async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute | float,
                        max_tokens: int | None = None, on_token: Callable[[], None] | None = None,
                        expert_bytes: dict[int, int] | None = None,
                        decode_start: float | None = None,
                        layer_map: dict[int, int] | None = None, routing: bool = True) -> EngineRun:
     """Replay ``trace`` through ``store`` as an engine would: per batch (a prefill layer, or
-    one decode token's layer) lease the routed experts together with ``acquire_many``, hold
-    them ``compute_s`` seconds (emulated compute), release; ``token_boundary()`` before each
+    one decode token's layer) lease the routed experts together with ``acquire_many``, run
+    ``compute`` on them (``tools/compute.py``: each expert's MLP on the rows the batch routed
+    to it, one in decode; a number: an emulated compute sleep of that many seconds), release;
+    ``token_boundary()`` before each
     decode token, ``end_turn()`` where a prefill follows decode (the conversation's next
     turn).  Stops before decode token ``max_tokens``.  ``on_token`` is called once per
     decode token (progress bars); ``expert_bytes`` (per trace layer) weighs the byte counts,
@@ -167,10 +193,13 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
     trace's layers to the checkpoint's (identity when omitted).  ``routing``: hand each
     prompt batch's per-token router output to ``observe_routing`` first, as an engine can
     (``False``: the store sees the keys only)."""
+    if not isinstance(compute, Compute):
+        compute = Compute(ComputeSpec("sleep", float(compute)))
     total = trace.n_decode_tokens() if max_tokens is None else min(max_tokens, trace.n_decode_tokens())
     sizes = trace.expert_bytes if expert_bytes is None else expert_bytes
     token, tokens, prefill_batches = -1, 0, 0
     decode_felt_start = 0.0
+    compute_start = compute.seconds
     if decode_start is None:
         decode_start = time.perf_counter()
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
@@ -186,6 +215,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
             if token < 0:
                 decode_start = time.perf_counter()
                 decode_felt_start = store.stats()["felt_wait_s"]
+                compute_start = compute.seconds
             store.token_boundary()
             token = tok
             tokens += 1
@@ -195,11 +225,16 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
             prefill_batches += 1
         r0, h0 = _hit_counters(store)
         ckpt_layer = layer if layer_map is None else layer_map[layer]
-        if routing and batch in trace.routing:  # a prompt's rows: what its router chose, per token
-            store.observe_routing(ckpt_layer, trace.routing[batch])
-        async with store.acquire_many([(ckpt_layer, e) for e in experts.tolist()]):
+        rows = trace.routing.get(batch)
+        if routing and rows is not None:  # a prompt's rows: what its router chose, per token
+            store.observe_routing(ckpt_layer, rows)
+        keys = experts.tolist()
+        # each expert computes on the tokens routed to it (decode: one; a row picks an expert once)
+        per_expert = ([1] * len(keys) if rows is None
+                      else np.bincount(rows[rows >= 0], minlength=max(keys) + 1)[keys].tolist())
+        async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
             r1, h1 = _hit_counters(store)
-            await asyncio.sleep(compute_s)
+            await compute.layer(views, per_expert)
         n, h = r1 - r0, h1 - h0
         all_req += n
         all_hits += h
@@ -214,6 +249,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
         decode_felt_wait_s=store.stats()["felt_wait_s"] - decode_felt_start,
         decode_requests=dec_req, decode_hits=dec_hits, requests=all_req, hits=all_hits,
         requested_bytes=req_bytes, hit_bytes=hit_bytes,
+        decode_compute_s=compute.seconds - compute_start,
     )
 
 
