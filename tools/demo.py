@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -27,8 +28,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, load_index, settings
+from iosched.backends import resolve
 
-from .compute import Compute, ComputeSpec
+from ._replay_policies import HANDWRITTEN
+from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .synth import write_safetensors_moe
 from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
 
@@ -48,7 +51,15 @@ CHECKPOINT_VERSION = 1
 class DemoConfig:
     trace: str = "qwen"
     budget_cycles: float = 4.0
-    compute_ms: float = 1.0
+    compute_ms: float | None = None
+    """The older spelling of ``compute=sleep:MS`` (``--compute-ms``); ``None``: ``compute``."""
+    compute: ComputeSpec = NUMPY
+    """The engine's compute per layer (``tools/compute.py``): real numpy by default."""
+    compute_on: str = DEFAULT_COMPUTE_ON
+    compare: tuple[str, ...] = ("lru", HANDWRITTEN)
+    """Arms run beside ``policy`` on the same trace and budget (``--compare``)."""
+    rounds: int = 1
+    """Rounds of every arm, interleaved (medians reported)."""
     backend: str = "auto"
     policy: str = "default"
     cold: bool = True
@@ -56,7 +67,11 @@ class DemoConfig:
     scale: int = SCALE
     """Divides the real expert dimensions (see :data:`SCALE`)."""
     telemetry: str | None = None
-    """A file for the store's per-token JSON lines (``docs/telemetry.md``)."""
+    """A file for the store's per-token JSON lines (``docs/telemetry.md``): the first arm's,
+    last round."""
+
+    def compute_spec(self) -> ComputeSpec:
+        return self.compute if self.compute_ms is None else ComputeSpec("sleep", self.compute_ms / 1e3)
 
 
 def cache_dir() -> Path:
@@ -253,28 +268,101 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
     )
 
 
+async def _run_arm(config: DemoConfig, arm: str, trace: RouteTrace, folder: Path, index: Any,
+                   budget: int, on_token: Callable[[], None] | None,
+                   telemetry: str | None) -> tuple[EngineRun, dict[str, Any], Compute]:
+    """One cold pass of the trace through one arm: an iosched policy, or ``handwritten``."""
+    from .handwritten import HandwrittenEngineStore
+
+    compute = Compute(config.compute_spec(), config.compute_on)
+    if config.cold:
+        drop_from_page_cache(index.files)
+    decode_start = time.perf_counter()
+    try:
+        if arm == HANDWRITTEN:
+            direct = resolve(config.backend, index.files)[0] in ("odirect", "uring")
+            hand = HandwrittenEngineStore(index, budget, drop_behind=direct)
+            try:
+                run = await drive_engine(hand, trace, compute, config.max_tokens, on_token,
+                                         decode_start=decode_start)
+                stats = hand.stats()
+            finally:
+                hand.close()
+        else:
+            async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
+                                              policy=arm, experts_per_token=trace.k,
+                                              telemetry=telemetry) as store:
+                run = await drive_engine(store, trace, compute, config.max_tokens, on_token,
+                                         decode_start=decode_start)
+                while store.stats()["loading"]:  # the last batch's prefetches land before the summary
+                    await asyncio.sleep(0.001)
+                stats = store.stats()
+    finally:
+        compute.close()
+    stats["decode_felt_wait_s"] = run.decode_felt_wait_s
+    return run, stats, compute
+
+
+def _arm_summary(arm: str, runs: list[tuple[EngineRun, dict[str, Any], Compute]]) -> dict[str, Any]:
+    """An arm's medians over its rounds (each round's tokens/s kept too)."""
+    tps = [r.tokens / r.decode_seconds if r.decode_seconds else 0.0 for r, _, _ in runs]
+    run, stats, compute = runs[len(runs) // 2]
+    return {
+        "arm": arm,
+        "tokens_per_s": statistics.median(tps),
+        "tokens_per_s_rounds": tps,
+        "decode_felt_wait_per_token_ms": statistics.median(
+            1e3 * r.decode_felt_wait_s / max(r.tokens, 1) for r, _, _ in runs),
+        "compute_ms_per_token": statistics.median(
+            1e3 * r.decode_compute_s / max(r.tokens, 1) for r, _, _ in runs),
+        "decode_hit_rate": run.decode_hits / run.decode_requests if run.decode_requests else 0.0,
+        "hit_rate": run.hits / run.requests if run.requests else 0.0,
+        "bytes_read": statistics.median(s["bytes_read"] for _, s, _ in runs),
+        "backend": stats["backend"],
+        **compute.describe(),
+    }
+
+
+def verdict(main: str, arms: list[dict[str, Any]]) -> str:
+    """One sentence: which arm was fastest and by how much, said plainly when ``main`` was not."""
+    if len(arms) < 2:
+        return f"{main} alone (no arm to compare with)"
+    by = {a["arm"]: a["tokens_per_s"] for a in arms}
+    best = max(by, key=lambda name: by[name])
+    ratios = ", ".join(f"{by[main] / by[a]:.2f}x {a}" for a in by if a != main and by[a])
+    if best == main:
+        runner = max((a for a in by if a != main), key=lambda name: by[name])
+        return f"{main} is fastest here, {100 * (by[main] / by[runner] - 1):.0f} % ahead of {runner} ({ratios})"
+    return (f"{main} does not win here: {best} is fastest, {100 * (by[best] / by[main] - 1):.0f} % "
+            f"ahead of {main} ({main}: {ratios})")
+
+
 async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
-    """Build (once) and replay; ``progress`` is a rich Progress or ``None``."""
+    """Build (once) and replay, each arm (``config.policy`` then ``config.compare``) on the same
+    trace and budget, arms interleaved within each of ``config.rounds`` rounds, each pass cold;
+    ``progress`` is a rich Progress or ``None``.  The result's store fields are the first
+    arm's (its median round); ``arms`` holds every arm's medians and ``verdict`` says who won."""
     trace = load_bundled_trace(config.trace)
     folder = await asyncio.to_thread(demo_checkpoint, trace, None, config.scale)
     index = await asyncio.to_thread(load_index, folder)
     td = trace.k * sum(index.expert_bytes_by_layer().values())
     budget = int(config.budget_cycles * td)
-    if config.cold:
-        drop_from_page_cache(index.files)
+    arms = [config.policy, *(a for a in config.compare if a != config.policy)]
     total = trace.n_decode_tokens() if config.max_tokens is None else min(config.max_tokens, trace.n_decode_tokens())
-    task = progress.add_task("decoding", total=total) if progress is not None else None
+    task = (progress.add_task("decoding", total=total * len(arms) * config.rounds)
+            if progress is not None else None)
     on_token = (lambda: progress.advance(task)) if task is not None else None
-    decode_start = time.perf_counter()
-    async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
-                                      policy=config.policy, experts_per_token=trace.k,
-                                      telemetry=config.telemetry) as store:
-        run = await drive_engine(store, trace, config.compute_ms / 1e3, config.max_tokens,
-                                 on_token, decode_start=decode_start)
-        while store.stats()["loading"]:  # the last batch's prefetches land before the summary
-            await asyncio.sleep(0.001)
-        stats = store.stats()
-        stats["decode_felt_wait_s"] = run.decode_felt_wait_s
+    runs: dict[str, list[tuple[EngineRun, dict[str, Any], Compute]]] = {a: [] for a in arms}
+    for r in range(config.rounds):
+        for arm in arms:
+            telemetry = config.telemetry if arm == config.policy and r == config.rounds - 1 else None
+            runs[arm].append(await _run_arm(config, arm, trace, folder, index, budget, on_token, telemetry))
+    summaries = [_arm_summary(arm, runs[arm]) for arm in arms]
+    main_runs = sorted(runs[config.policy], key=lambda x: x[0].tokens / x[0].decode_seconds
+                       if x[0].decode_seconds else 0.0)
+    run, stats, _ = main_runs[len(main_runs) // 2]
+    stats = {**stats, "arms": summaries, "verdict": verdict(config.policy, summaries),
+             "rounds": config.rounds, **main_runs[0][2].describe()}
     return DemoResult(
         trace=(f"{config.trace} ({Path(trace.model).name}, {len(trace.layers)} layers x "
                f"{trace.n_expert} experts, k={trace.k})"),
