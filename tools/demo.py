@@ -7,9 +7,15 @@
 2. Drops the checkpoint from the page cache (``posix_fadvise(DONTNEED)``) so the first
    reads go to the disk, as they would on a cold engine.
 3. Replays the bundled real routing trace through :class:`iosched.ExpertStore` as an engine
-   would: per token, per layer, lease the routed experts together (``acquire_many``), hold
-   them for an emulated compute time, release.
-4. Prints tokens/s, hit rate, felt wait against read service time, bytes read, per device.
+   would: per token, per layer, lease the routed experts together (``acquire_many``), compute
+   on them (``tools/compute.py``: each expert's SwiGLU MLP on its own tensors with numpy, in a
+   worker thread; ``--compute sleep:MS`` emulates it), release.
+4. Does the same, each pass cold, with ``lru`` and with the hand-written arm
+   (``tools/handwritten.py``: an LRU dict of bytes and 8 threads of ``os.pread``) on the same
+   trace and budget, arms interleaved per round, because a policy is only worth its CPU if it
+   beats what the engine's author would write instead.
+5. Prints tokens/s, hit rate, felt wait against read service time, bytes read, per device, then
+   the arms side by side and which was fastest, said plainly when the default was not.
 """
 
 from __future__ import annotations
@@ -183,6 +189,15 @@ class EngineStore(Protocol):
     def stats(self) -> Mapping[str, Any]: ...
 
 
+def other_ms_per_token(run: EngineRun) -> float:
+    """Decode wall time a token spent neither awaiting ``acquire_many`` nor computing: the
+    engine loop's own Python and whatever else ran on the event loop before the engine's
+    coroutine resumed (the store's batch-end work, its read completions, its policy)."""
+    if not run.tokens:
+        return 0.0
+    return 1e3 * (run.decode_seconds - run.decode_felt_wait_s - run.decode_compute_s) / run.tokens
+
+
 def _hit_counters(store: EngineStore) -> tuple[int, int]:
     """``(requests, hits + single-flight joins)`` so far: the store's request tally (cheap:
     ``stats()`` builds a whole snapshot, and this runs once per batch)."""
@@ -315,6 +330,7 @@ def _arm_summary(arm: str, runs: list[tuple[EngineRun, dict[str, Any], Compute]]
             1e3 * r.decode_felt_wait_s / max(r.tokens, 1) for r, _, _ in runs),
         "compute_ms_per_token": statistics.median(
             1e3 * r.decode_compute_s / max(r.tokens, 1) for r, _, _ in runs),
+        "other_ms_per_token": statistics.median(other_ms_per_token(r) for r, _, _ in runs),
         "decode_hit_rate": run.decode_hits / run.decode_requests if run.decode_requests else 0.0,
         "hit_rate": run.hits / run.requests if run.requests else 0.0,
         "bytes_read": statistics.median(s["bytes_read"] for _, s, _ in runs),

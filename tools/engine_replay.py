@@ -145,6 +145,7 @@ def _row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wal
         "loop": s["loop"],
         "seconds": wall,
         "compute_ms_per_token": 1e3 * run.decode_compute_s / max(run.tokens, 1),
+        "other_ms_per_token": demo.other_ms_per_token(run),
         **engine.describe(),
     }
 
@@ -230,14 +231,14 @@ def real_table(out: dict[str, Any]) -> Any:
     table = Table(title=f"iosched replay {out['trace']} (real I/O, {out['backend']} backend, "
                         f"compute {out.get('compute', 'sleep')}{where})")
     for col in ("policy", "TD", "decode hit %", "byte hit %", "felt ms/token", "compute ms/token",
-                "service s", "MB read", "tokens/s"):
+                "other ms/token", "service s", "MB read", "tokens/s"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in out["results"]:
         td = (f"auto {r['start_cycles']:g}→{r['cycles']:.3g}" if r.get("auto")
               else f"{r['cycles']:g}")
         table.add_row(r["policy"], td, f"{100 * r['decode_hit']:.1f}",
                       f"{100 * r['byte_hit']:.1f}", f"{r['felt_wait_per_token_ms']:.2f}",
-                      f"{r.get('compute_ms_per_token', 0.0):.2f}",
+                      f"{r.get('compute_ms_per_token', 0.0):.2f}", f"{r.get('other_ms_per_token', 0.0):.2f}",
                       "-" if r["service_s"] is None else f"{r['service_s']:.2f}",
                       f"{r['bytes_read'] / 1e6:.1f}",
                       f"{r['tokens_per_s']:.1f}")

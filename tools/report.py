@@ -44,10 +44,12 @@ def demo_table(r: dict[str, Any]) -> Group:
     where = f" on a {r['compute_on']}" if r.get("compute_on") else ""
     side = Table(title=f"side by side: same trace, same budget, compute {r.get('compute', '?')}{where}, "
                        f"median of {r.get('rounds', 1)} interleaved round(s), each cold")
-    for col in ("arm", "tokens/s", "felt ms/token", "compute ms/token", "decode hit %", "bytes read"):
+    for col in ("arm", "tokens/s", "felt ms/token", "compute ms/token", "other ms/token", "decode hit %",
+                "bytes read"):
         side.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for a in arms:
         side.add_row(a["arm"], f"{a['tokens_per_s']:.1f}", f"{a['decode_felt_wait_per_token_ms']:.2f}",
-                     f"{a['compute_ms_per_token']:.2f}", f"{100 * a['decode_hit_rate']:.1f}",
+                     f"{a['compute_ms_per_token']:.2f}", f"{a['other_ms_per_token']:.2f}",
+                     f"{100 * a['decode_hit_rate']:.1f}",
                      _mb(a["bytes_read"]))
     return Group(summary, devices, side, Text(r["verdict"], style="bold"))
