@@ -43,9 +43,9 @@ def demo_table(r: dict[str, Any]) -> Group:
         return Group(summary, devices)
     where = f" on a {r['compute_on']}" if r.get("compute_on") else ""
     side = Table(title=f"side by side: same trace, same budget, compute {r.get('compute', '?')}{where}, "
-                       f"median of {r.get('rounds', 1)} interleaved round(s), each cold")
-    for col in ("arm", "tokens/s", "felt ms/token", "compute ms/token", "other ms/token", "decode hit %",
-                "bytes read"):
+                       f"median of {r.get('rounds', 1)} interleaved round(s), each cold",
+                 caption="felt, compute, other: ms per decode token (other: neither awaited nor computed)")
+    for col in ("arm", "tokens/s", "felt", "compute", "other", "decode hit %", "bytes read"):
         side.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for a in arms:
         side.add_row(a["arm"], f"{a['tokens_per_s']:.1f}", f"{a['decode_felt_wait_per_token_ms']:.2f}",
