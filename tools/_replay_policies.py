@@ -34,3 +34,7 @@ measured worse than what they vary and kept only so docs/residency-notebook.md's
 rerun.  ``iosched replay --policy`` accepts them only with ``--experimental``, its help lists
 them apart from the normal choices, and each result row of one carries ``"experimental": true``.
 Every name here is in ``OFFLINE`` or ``VARIANTS``, which say how the replay builds it."""
+
+HANDWRITTEN = "handwritten"
+"""The hand-written arm's name in a ``--policy`` list (``tools/handwritten.py``): not a residency
+policy but an LRU of bytes with its own pread pool, in the real-I/O replay only."""

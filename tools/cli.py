@@ -17,6 +17,8 @@ from typing import Any
 from iosched import StoreError
 
 from . import _command, _runner
+from ._replay_policies import HANDWRITTEN
+from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, NUMPY, parse_compute
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -30,10 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
     demo.add_argument("--budget-cycles", type=_command.positive_float, default=4.0,
                       help="budget in token cycles (k x bytes of one expert per layer, summed); default 4")
-    demo.add_argument("--compute-ms", type=_command.non_negative_float, default=1.0,
-                      help="emulated compute per layer (default 1 ms)")
+    demo.add_argument("--compute", type=parse_compute, default=NUMPY, metavar="numpy|sleep:MS",
+                      help="the engine's compute per layer: numpy (default: each routed expert's SwiGLU "
+                           "MLP on its own tensors) or sleep:MS (an emulated sleep)")
+    demo.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
+                      help=f"where numpy compute runs: thread (a worker thread, the event loop stays "
+                           f"free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
+    demo.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
+                      help="the same as --compute sleep:MS")
     demo.add_argument("--backend", default="auto")
     demo.add_argument("--policy", default="default")
+    demo.add_argument("--compare", default="lru,handwritten",
+                      help="arms run beside --policy on the same trace and budget, comma list of "
+                           "policies and handwritten (an LRU of bytes and 8 threads of pread); "
+                           "'none': --policy alone (default lru,handwritten)")
+    demo.add_argument("--rounds", type=_command.positive_int, default=1,
+                      help="rounds of every arm, interleaved; medians reported (default 1)")
     demo.add_argument("--tokens", type=_command.positive_int, default=None, help="stop after this many decode tokens")
     demo.add_argument("--scale", type=_command.positive_int, default=16,
                       help="experts this many times smaller than Qwen3-30B-A3B's in each dimension "
@@ -95,13 +109,19 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     from .demo import DemoConfig, run_demo
     from .report import demo_table
 
+    compare = tuple(a.strip() for a in args.compare.split(",") if a.strip() and a.strip() != "none")
+    if args.policy == HANDWRITTEN:
+        raise StoreError("--policy handwritten: the hand-written arm runs beside a policy (--compare)")
+    if args.compute_ms is not None and args.compute is not NUMPY:
+        raise StoreError("give --compute or --compute-ms (the same as --compute sleep:MS), not both")
     config = DemoConfig(
         trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
+        compute=args.compute, compute_on=args.compute_on, compare=compare, rounds=args.rounds,
         backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
         scale=args.scale, telemetry=args.telemetry,
     )
-    if args.budget_cycles <= 0 or args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
-        raise StoreError("--budget-cycles and --tokens must be positive, --compute-ms not negative")
+    if args.budget_cycles <= 0 or (args.tokens is not None and args.tokens <= 0):
+        raise StoreError("--budget-cycles and --tokens must be positive")
     err = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("tokens"), TimeRemainingColumn(), console=err,

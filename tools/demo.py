@@ -7,9 +7,15 @@
 2. Drops the checkpoint from the page cache (``posix_fadvise(DONTNEED)``) so the first
    reads go to the disk, as they would on a cold engine.
 3. Replays the bundled real routing trace through :class:`iosched.ExpertStore` as an engine
-   would: per token, per layer, lease the routed experts together (``acquire_many``), hold
-   them for an emulated compute time, release.
-4. Prints tokens/s, hit rate, felt wait against read service time, bytes read, per device.
+   would: per token, per layer, lease the routed experts together (``acquire_many``), compute
+   on them (``tools/compute.py``: each expert's SwiGLU MLP on its own tensors with numpy, in a
+   worker thread; ``--compute sleep:MS`` emulates it), release.
+4. Does the same, each pass cold, with ``lru`` and with the hand-written arm
+   (``tools/handwritten.py``: an LRU dict of bytes and 8 threads of ``os.pread``) on the same
+   trace and budget, arms interleaved per round, because a policy is only worth its CPU if it
+   beats what the engine's author would write instead.
+5. Prints tokens/s, hit rate, felt wait against read service time, bytes read, per device, then
+   the arms side by side and which was fastest, said plainly when the default was not.
 """
 
 from __future__ import annotations
@@ -17,14 +23,21 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from iosched import ExpertStore, StoreError, load_index, settings
+import numpy as np
 
+from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, load_index, settings
+from iosched.backends import resolve
+
+from ._replay_policies import HANDWRITTEN
+from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .synth import write_safetensors_moe
 from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
 
@@ -44,7 +57,15 @@ CHECKPOINT_VERSION = 1
 class DemoConfig:
     trace: str = "qwen"
     budget_cycles: float = 4.0
-    compute_ms: float = 1.0
+    compute_ms: float | None = None
+    """The older spelling of ``compute=sleep:MS`` (``--compute-ms``); ``None``: ``compute``."""
+    compute: ComputeSpec = NUMPY
+    """The engine's compute per layer (``tools/compute.py``): real numpy by default."""
+    compute_on: str = DEFAULT_COMPUTE_ON
+    compare: tuple[str, ...] = ("lru", HANDWRITTEN)
+    """Arms run beside ``policy`` on the same trace and budget (``--compare``)."""
+    rounds: int = 1
+    """Rounds of every arm, interleaved (medians reported)."""
     backend: str = "auto"
     policy: str = "default"
     cold: bool = True
@@ -52,7 +73,11 @@ class DemoConfig:
     scale: int = SCALE
     """Divides the real expert dimensions (see :data:`SCALE`)."""
     telemetry: str | None = None
-    """A file for the store's per-token JSON lines (``docs/telemetry.md``)."""
+    """A file for the store's per-token JSON lines (``docs/telemetry.md``): the first arm's,
+    last round."""
+
+    def compute_spec(self) -> ComputeSpec:
+        return self.compute if self.compute_ms is None else ComputeSpec("sleep", self.compute_ms / 1e3)
 
 
 def cache_dir() -> Path:
@@ -142,23 +167,54 @@ class EngineRun:
     """Every request, prefill included, and those of them that were hits (hit or join)."""
     requested_bytes: int
     hit_bytes: int
+    decode_compute_s: float = 0.0
+    """Time the compute itself took from the first decode token on (``Compute.seconds``)."""
 
 
-def _hit_counters(store: ExpertStore) -> tuple[int, int]:
+class EngineStore(Protocol):
+    """What :func:`drive_engine` calls on a store: :class:`iosched.ExpertStore`, or the
+    hand-written arm (``tools/handwritten.py``), so both run the same engine loop."""
+
+    def acquire_many(self, keys: Iterable[ExpertKey]) -> AbstractAsyncContextManager[list[ExpertView]]: ...
+
+    @property
+    def request_tally(self) -> RequestTally: ...
+
+    def token_boundary(self) -> None: ...
+
+    def end_turn(self) -> int: ...
+
+    def observe_routing(self, layer: int, experts: Any) -> None: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+def other_ms_per_token(run: EngineRun) -> float:
+    """Decode wall time a token spent neither awaiting ``acquire_many`` nor computing: the
+    engine loop's own Python and whatever else ran on the event loop before the engine's
+    coroutine resumed (the store's batch-end work, its read completions, its policy)."""
+    if not run.tokens:
+        return 0.0
+    return 1e3 * (run.decode_seconds - run.decode_felt_wait_s - run.decode_compute_s) / run.tokens
+
+
+def _hit_counters(store: EngineStore) -> tuple[int, int]:
     """``(requests, hits + single-flight joins)`` so far: the store's request tally (cheap:
     ``stats()`` builds a whole snapshot, and this runs once per batch)."""
     tally = store.request_tally
     return tally.requests, tally.hits + tally.single_flight_joins
 
 
-async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
+async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute | float,
                        max_tokens: int | None = None, on_token: Callable[[], None] | None = None,
                        expert_bytes: dict[int, int] | None = None,
                        decode_start: float | None = None,
                        layer_map: dict[int, int] | None = None, routing: bool = True) -> EngineRun:
     """Replay ``trace`` through ``store`` as an engine would: per batch (a prefill layer, or
-    one decode token's layer) lease the routed experts together with ``acquire_many``, hold
-    them ``compute_s`` seconds (emulated compute), release; ``token_boundary()`` before each
+    one decode token's layer) lease the routed experts together with ``acquire_many``, run
+    ``compute`` on them (``tools/compute.py``: each expert's MLP on the rows the batch routed
+    to it, one in decode; a number: an emulated compute sleep of that many seconds), release;
+    ``token_boundary()`` before each
     decode token, ``end_turn()`` where a prefill follows decode (the conversation's next
     turn).  Stops before decode token ``max_tokens``.  ``on_token`` is called once per
     decode token (progress bars); ``expert_bytes`` (per trace layer) weighs the byte counts,
@@ -167,10 +223,13 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
     trace's layers to the checkpoint's (identity when omitted).  ``routing``: hand each
     prompt batch's per-token router output to ``observe_routing`` first, as an engine can
     (``False``: the store sees the keys only)."""
+    if not isinstance(compute, Compute):
+        compute = Compute(ComputeSpec("sleep", float(compute)))
     total = trace.n_decode_tokens() if max_tokens is None else min(max_tokens, trace.n_decode_tokens())
     sizes = trace.expert_bytes if expert_bytes is None else expert_bytes
     token, tokens, prefill_batches = -1, 0, 0
     decode_felt_start = 0.0
+    compute_start = compute.seconds
     if decode_start is None:
         decode_start = time.perf_counter()
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
@@ -186,6 +245,7 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
             if token < 0:
                 decode_start = time.perf_counter()
                 decode_felt_start = store.stats()["felt_wait_s"]
+                compute_start = compute.seconds
             store.token_boundary()
             token = tok
             tokens += 1
@@ -195,11 +255,16 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
             prefill_batches += 1
         r0, h0 = _hit_counters(store)
         ckpt_layer = layer if layer_map is None else layer_map[layer]
-        if routing and batch in trace.routing:  # a prompt's rows: what its router chose, per token
-            store.observe_routing(ckpt_layer, trace.routing[batch])
-        async with store.acquire_many([(ckpt_layer, e) for e in experts.tolist()]):
+        rows = trace.routing.get(batch)
+        if routing and rows is not None:  # a prompt's rows: what its router chose, per token
+            store.observe_routing(ckpt_layer, rows)
+        keys = experts.tolist()
+        # each expert computes on the tokens routed to it (decode: one; a row picks an expert once)
+        per_expert = ([1] * len(keys) if rows is None
+                      else np.bincount(rows[rows >= 0], minlength=max(keys) + 1)[keys].tolist())
+        async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
             r1, h1 = _hit_counters(store)
-            await asyncio.sleep(compute_s)
+            await compute.layer(views, per_expert)
         n, h = r1 - r0, h1 - h0
         all_req += n
         all_hits += h
@@ -214,31 +279,106 @@ async def drive_engine(store: ExpertStore, trace: RouteTrace, compute_s: float,
         decode_felt_wait_s=store.stats()["felt_wait_s"] - decode_felt_start,
         decode_requests=dec_req, decode_hits=dec_hits, requests=all_req, hits=all_hits,
         requested_bytes=req_bytes, hit_bytes=hit_bytes,
+        decode_compute_s=compute.seconds - compute_start,
     )
 
 
+async def _run_arm(config: DemoConfig, arm: str, trace: RouteTrace, folder: Path, index: Any,
+                   budget: int, on_token: Callable[[], None] | None,
+                   telemetry: str | None) -> tuple[EngineRun, dict[str, Any], Compute]:
+    """One cold pass of the trace through one arm: an iosched policy, or ``handwritten``."""
+    from .handwritten import HandwrittenEngineStore
+
+    compute = Compute(config.compute_spec(), config.compute_on)
+    if config.cold:
+        drop_from_page_cache(index.files)
+    decode_start = time.perf_counter()
+    try:
+        if arm == HANDWRITTEN:
+            direct = resolve(config.backend, index.files)[0] in ("odirect", "uring")
+            hand = HandwrittenEngineStore(index, budget, drop_behind=direct)
+            try:
+                run = await drive_engine(hand, trace, compute, config.max_tokens, on_token,
+                                         decode_start=decode_start)
+                stats = hand.stats()
+            finally:
+                hand.close()
+        else:
+            async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
+                                              policy=arm, experts_per_token=trace.k,
+                                              telemetry=telemetry) as store:
+                run = await drive_engine(store, trace, compute, config.max_tokens, on_token,
+                                         decode_start=decode_start)
+                while store.stats()["loading"]:  # the last batch's prefetches land before the summary
+                    await asyncio.sleep(0.001)
+                stats = store.stats()
+    finally:
+        compute.close()
+    stats["decode_felt_wait_s"] = run.decode_felt_wait_s
+    return run, stats, compute
+
+
+def _arm_summary(arm: str, runs: list[tuple[EngineRun, dict[str, Any], Compute]]) -> dict[str, Any]:
+    """An arm's medians over its rounds (each round's tokens/s kept too)."""
+    tps = [r.tokens / r.decode_seconds if r.decode_seconds else 0.0 for r, _, _ in runs]
+    run, stats, compute = runs[len(runs) // 2]
+    return {
+        "arm": arm,
+        "tokens_per_s": statistics.median(tps),
+        "tokens_per_s_rounds": tps,
+        "decode_felt_wait_per_token_ms": statistics.median(
+            1e3 * r.decode_felt_wait_s / max(r.tokens, 1) for r, _, _ in runs),
+        "compute_ms_per_token": statistics.median(
+            1e3 * r.decode_compute_s / max(r.tokens, 1) for r, _, _ in runs),
+        "other_ms_per_token": statistics.median(other_ms_per_token(r) for r, _, _ in runs),
+        "decode_hit_rate": run.decode_hits / run.decode_requests if run.decode_requests else 0.0,
+        "hit_rate": run.hits / run.requests if run.requests else 0.0,
+        "bytes_read": statistics.median(s["bytes_read"] for _, s, _ in runs),
+        "backend": stats["backend"],
+        **compute.describe(),
+    }
+
+
+def verdict(main: str, arms: list[dict[str, Any]]) -> str:
+    """One sentence: which arm was fastest and by how much, said plainly when ``main`` was not."""
+    if len(arms) < 2:
+        return f"{main} alone (no arm to compare with)"
+    by = {a["arm"]: a["tokens_per_s"] for a in arms}
+    best = max(by, key=lambda name: by[name])
+    ratios = ", ".join(f"{by[main] / by[a]:.2f}x {a}" for a in by if a != main and by[a])
+    if best == main:
+        runner = max((a for a in by if a != main), key=lambda name: by[name])
+        return f"{main} is fastest here, {100 * (by[main] / by[runner] - 1):.0f} % ahead of {runner} ({ratios})"
+    return (f"{main} does not win here: {best} is fastest, {100 * (by[best] / by[main] - 1):.0f} % "
+            f"ahead of {main} ({main}: {ratios})")
+
+
 async def run_demo(config: DemoConfig, progress: Any = None) -> DemoResult:
-    """Build (once) and replay; ``progress`` is a rich Progress or ``None``."""
+    """Build (once) and replay, each arm (``config.policy`` then ``config.compare``) on the same
+    trace and budget, arms interleaved within each of ``config.rounds`` rounds, each pass cold;
+    ``progress`` is a rich Progress or ``None``.  The result's store fields are the first
+    arm's (its median round); ``arms`` holds every arm's medians and ``verdict`` says who won."""
     trace = load_bundled_trace(config.trace)
     folder = await asyncio.to_thread(demo_checkpoint, trace, None, config.scale)
     index = await asyncio.to_thread(load_index, folder)
     td = trace.k * sum(index.expert_bytes_by_layer().values())
     budget = int(config.budget_cycles * td)
-    if config.cold:
-        drop_from_page_cache(index.files)
+    arms = [config.policy, *(a for a in config.compare if a != config.policy)]
     total = trace.n_decode_tokens() if config.max_tokens is None else min(config.max_tokens, trace.n_decode_tokens())
-    task = progress.add_task("decoding", total=total) if progress is not None else None
+    task = (progress.add_task("decoding", total=total * len(arms) * config.rounds)
+            if progress is not None else None)
     on_token = (lambda: progress.advance(task)) if task is not None else None
-    decode_start = time.perf_counter()
-    async with await ExpertStore.open(folder, budget_bytes=budget, backend=config.backend,
-                                      policy=config.policy, experts_per_token=trace.k,
-                                      telemetry=config.telemetry) as store:
-        run = await drive_engine(store, trace, config.compute_ms / 1e3, config.max_tokens,
-                                 on_token, decode_start=decode_start)
-        while store.stats()["loading"]:  # the last batch's prefetches land before the summary
-            await asyncio.sleep(0.001)
-        stats = store.stats()
-        stats["decode_felt_wait_s"] = run.decode_felt_wait_s
+    runs: dict[str, list[tuple[EngineRun, dict[str, Any], Compute]]] = {a: [] for a in arms}
+    for r in range(config.rounds):
+        for arm in arms:
+            telemetry = config.telemetry if arm == config.policy and r == config.rounds - 1 else None
+            runs[arm].append(await _run_arm(config, arm, trace, folder, index, budget, on_token, telemetry))
+    summaries = [_arm_summary(arm, runs[arm]) for arm in arms]
+    main_runs = sorted(runs[config.policy], key=lambda x: x[0].tokens / x[0].decode_seconds
+                       if x[0].decode_seconds else 0.0)
+    run, stats, _ = main_runs[len(main_runs) // 2]
+    stats = {**stats, "arms": summaries, "verdict": verdict(config.policy, summaries),
+             "rounds": config.rounds, **main_runs[0][2].describe()}
     return DemoResult(
         trace=(f"{config.trace} ({Path(trace.model).name}, {len(trace.layers)} layers x "
                f"{trace.n_expert} experts, k={trace.k})"),

@@ -8,8 +8,12 @@ Real-I/O replay (``iosched replay TRACE`` without ``--simulate``)
     drops the checkpoint from the page cache, opens ``ExpertStore(folder, budget_bytes=int(cycles
     x TD), policy=name, backend=...)`` with TD = k x the checkpoint's expert bytes summed over
     layers, and replays the trace as the demo's engine does (:func:`iosched.tools.demo.drive_engine`:
-    ``acquire_many`` per batch, an emulated compute sleep per layer, ``token_boundary`` per
-    decode token).  A request is a hit when its expert was resident *or already loading* when
+    ``acquire_many`` per batch, real numpy compute on the experts' own tensors per layer
+    (``tools/compute.py``; ``--compute sleep:MS`` emulates it), ``token_boundary`` per decode
+    token).  The policy name ``handwritten`` is the hand-written arm (``tools/handwritten.py``):
+    an LRU dict of bytes under the same budget read by 8 threads of ``os.pread``, through the
+    same engine loop and compute, its page cache dropped before the run as the others'.
+    A request is a hit when its expert was resident *or already loading* when
     it was asked for (a store hit or a single-flight join), the simulation's semantics; the
     replay counts them per batch, since the store's ``hits`` leaves joins out.  Belady needs the
     future, which the store cannot have: rejected here.
@@ -28,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from iosched import ExpertStore, StoreError, load_index
+from iosched.backends import resolve
 
 from . import demo
-from ._replay_policies import OFFLINE
+from ._replay_policies import HANDWRITTEN, OFFLINE
+from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
+from .handwritten import HandwrittenEngineStore
 from .trace import RouteTrace
 
 DEFAULT_COMPUTE_MS = 1.0
+"""The emulated compute of ``--compute-ms`` (``sleep:1``), before real compute was the default."""
 
 # ---------------------------------------------------------------------------------------------
 # real I/O
@@ -48,20 +56,61 @@ def reject_offline(policies: Sequence[str], mode: str) -> None:
 
 
 async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace, policy: str,
-                        cycles: float, budget: int | str, compute_s: float, backend: str,
+                        cycles: float, budget: int | str, compute: ComputeSpec | float, backend: str,
                         max_tokens: int | None, expert_bytes: dict[int, int],
-                        layer_map: dict[int, int], cold: bool, routing: bool = True) -> dict[str, Any]:
+                        layer_map: dict[int, int], cold: bool, routing: bool = True,
+                        compute_on: str = DEFAULT_COMPUTE_ON) -> dict[str, Any]:
+    spec = compute if isinstance(compute, ComputeSpec) else ComputeSpec("sleep", float(compute))
+    engine = Compute(spec, compute_on)
     if cold:
         await asyncio.to_thread(demo.drop_from_page_cache, files)
-    async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend,
-                                      policy=policy, experts_per_token=trace.k) as store:
+    try:
+        if policy == HANDWRITTEN:
+            return await _handwritten_run(folder, trace, cycles, budget, engine, backend,
+                                          max_tokens, expert_bytes, layer_map, routing)
+        async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend,
+                                          policy=policy, experts_per_token=trace.k) as store:
+            t0 = time.perf_counter()
+            run = await demo.drive_engine(store, trace, engine, max_tokens,
+                                          expert_bytes=expert_bytes, layer_map=layer_map,
+                                          routing=routing)
+            wall = time.perf_counter() - t0
+            store.end_turn()  # the trace's last turn ends: the growth rule's final decision
+            s = store.stats()
+    finally:
+        engine.close()
+    return _row(policy, cycles, s, run, wall, engine)
+
+
+async def _handwritten_run(folder: Path, trace: RouteTrace, cycles: float, budget: int | str,
+                           engine: Compute, backend: str, max_tokens: int | None,
+                           expert_bytes: dict[int, int], layer_map: dict[int, int],
+                           routing: bool) -> dict[str, Any]:
+    """The hand-written arm's run: same loop, same compute, same budget (a number only).
+    Its page cache is dropped behind its reads where the store's backend reads O_DIRECT, so
+    it gets no more memory than the iosched arms."""
+    if not isinstance(budget, int):
+        raise StoreError("the handwritten arm has a fixed budget; it does not run with --auto-budget")
+    index = await asyncio.to_thread(load_index, folder)
+    direct = resolve(backend, index.files)[0] in ("odirect", "uring")
+    hand = HandwrittenEngineStore(index, budget, drop_behind=direct)
+    try:
         t0 = time.perf_counter()
-        run = await demo.drive_engine(store, trace, compute_s, max_tokens,
-                                      expert_bytes=expert_bytes, layer_map=layer_map,
-                                      routing=routing)
+        run = await demo.drive_engine(hand, trace, engine, max_tokens, expert_bytes=expert_bytes,
+                                      layer_map=layer_map, routing=routing)
         wall = time.perf_counter() - t0
-        store.end_turn()  # the trace's last turn ends: the growth rule's final decision
-        s = store.stats()
+    finally:
+        hand.close()
+    s: dict[str, Any] = {
+        **hand.stats(), "budget_growth": None, "budget_cycles": float(cycles), "service_s": None,
+        "admissions": None, "rejections": None, "loop": type(asyncio.get_running_loop()).__module__,
+        "drop_behind": direct,
+    }
+    return _row(HANDWRITTEN, cycles, s, run, wall, engine)
+
+
+def _row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wall: float,
+         engine: Compute) -> dict[str, Any]:
     growth = s["budget_growth"]
     return {
         "policy": policy,
@@ -95,11 +144,15 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
         "backend": s["backend"],
         "loop": s["loop"],
         "seconds": wall,
+        "compute_ms_per_token": 1e3 * run.decode_compute_s / max(run.tokens, 1),
+        "other_ms_per_token": demo.other_ms_per_token(run),
+        **engine.describe(),
     }
 
 
 async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
-                      policies: Sequence[str], *, compute_ms: float = DEFAULT_COMPUTE_MS,
+                      policies: Sequence[str], *, compute_ms: float | None = None,
+                      compute: ComputeSpec | None = None, compute_on: str = DEFAULT_COMPUTE_ON,
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                       folder: Path | None = None, scale: int = demo.SCALE,
                       on_run: Callable[[str], None] | None = None,
@@ -111,11 +164,16 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     more run per policy with ``budget_bytes="auto"`` (it opens at ``auto_start_cycles`` and
     grows, ``iosched/_growth.py``); its row's ``cycles`` is the budget it ended with.
     ``routing``: the engine hands each prompt batch's router output to ``observe_routing``
-    (``False``: keys only, ``--keys-only``).
+    (``False``: keys only, ``--keys-only``).  ``compute``: real numpy compute (the default)
+    or a sleep, run where ``compute_on`` says; ``compute_ms``, the older spelling of
+    ``compute=sleep:MS``.  The policy :data:`HANDWRITTEN` is the hand-written arm.
     """
     reject_offline(policies, "with real I/O")
-    if compute_ms < 0 or (max_tokens is not None and max_tokens <= 0):
+    if compute_ms is not None and compute is not None:
+        raise StoreError("give --compute or --compute-ms (the same as --compute sleep:MS), not both")
+    if (compute_ms is not None and compute_ms < 0) or (max_tokens is not None and max_tokens <= 0):
         raise StoreError("--compute-ms must not be negative and --tokens must be positive")
+    spec = ComputeSpec("sleep", compute_ms / 1e3) if compute_ms is not None else compute or NUMPY
     ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder, scale)
     index = await asyncio.to_thread(load_index, ckpt)
     by_layer = index.expert_bytes_by_layer()
@@ -137,8 +195,8 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles{' (auto)' if budget == 'auto' else ''}")
             results.append(await _one_real_run(
-                ckpt, index.files, trace, name, c, budget, compute_ms / 1e3, backend,
-                max_tokens, expert_bytes, layer_map, cold, routing))
+                ckpt, index.files, trace, name, c, budget, spec, backend,
+                max_tokens, expert_bytes, layer_map, cold, routing, compute_on))
     return {
         "trace": label,
         "mode": "real",
@@ -150,7 +208,9 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
         "source": trace.source,
         "model": trace.model,
         "arch": trace.arch,
-        "compute_ms": compute_ms,
+        "compute_ms": 1e3 * spec.sleep_s if spec.kind == "sleep" else None,
+        "compute": spec.label,
+        "compute_on": compute_on if spec.kind == "numpy" else None,
         "backend": backend,
         "cold": cold,
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
@@ -167,17 +227,20 @@ def real_table(out: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    where = f" on {out['compute_on']}" if out.get("compute_on") else ""
     table = Table(title=f"iosched replay {out['trace']} (real I/O, {out['backend']} backend, "
-                        f"{out['compute_ms']:g} ms compute per layer)")
-    for col in ("policy", "TD", "decode hit %", "byte hit %", "felt ms/token", "service s",
-                "MB read", "tokens/s"):
+                        f"compute {out.get('compute', 'sleep')}{where})")
+    for col in ("policy", "TD", "decode hit %", "byte hit %", "felt ms/token", "compute ms/token",
+                "other ms/token", "service s", "MB read", "tokens/s"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in out["results"]:
         td = (f"auto {r['start_cycles']:g}→{r['cycles']:.3g}" if r.get("auto")
               else f"{r['cycles']:g}")
         table.add_row(r["policy"], td, f"{100 * r['decode_hit']:.1f}",
                       f"{100 * r['byte_hit']:.1f}", f"{r['felt_wait_per_token_ms']:.2f}",
-                      f"{r['service_s']:.2f}", f"{r['bytes_read'] / 1e6:.1f}",
+                      f"{r.get('compute_ms_per_token', 0.0):.2f}", f"{r.get('other_ms_per_token', 0.0):.2f}",
+                      "-" if r["service_s"] is None else f"{r['service_s']:.2f}",
+                      f"{r['bytes_read'] / 1e6:.1f}",
                       f"{r['tokens_per_s']:.1f}")
     note = (f"{out['model'] or out['source']}: k={out['k']}, checkpoint TD="
             f"{out['td_bytes'] / 2**20:.2f} MiB, {out['tokens']} decode tokens, "

@@ -76,8 +76,9 @@ from iosched.residency.moe import MoEPolicy
 
 from . import _command
 from ._progress import run_progress
-from ._replay_policies import EXPERIMENTAL, OFFLINE, VARIANTS
+from ._replay_policies import EXPERIMENTAL, HANDWRITTEN, OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
+from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, parse_compute
 from .trace import (
     PHASE_DECODE,
     RouteTrace,
@@ -216,14 +217,20 @@ def policy_names(experimental: bool = False) -> list[str]:
     return sorted(names if experimental else names - EXPERIMENTAL)
 
 
-def parse_policies(text: str, experimental: bool = False) -> list[str]:
+def parse_policies(text: str, experimental: bool = False, real: bool = False) -> list[str]:
     """The policies of a ``--policy`` list, each known and named once; an experimental one
-    only with ``experimental`` (``--experimental``)."""
+    only with ``experimental`` (``--experimental``); ``handwritten`` (the hand-written arm,
+    ``tools/handwritten.py``) with real I/O only (``real``)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise StoreError(f"--policy: empty list {text!r}")
     known = policy_names(experimental)
     for name in names:
+        if name == HANDWRITTEN:
+            if not real:
+                raise StoreError("policy 'handwritten' is the real-I/O replay's hand-written arm "
+                                 "(an LRU of bytes and 8 threads of pread); drop --simulate")
+            continue
         if name in EXPERIMENTAL and not experimental:
             raise StoreError(f"policy {name!r} is experimental (kept for docs/residency-notebook.md's negative "
                              "results); --experimental accepts it")
@@ -756,8 +763,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one expert, for a call trace whose header has no '# layer=' "
                         "lines (default: 1 MiB, reported as sizes_assumed); an error with a "
                         "route_trace v1 CSV, whose header gives the sizes")
-    p.add_argument("--compute-ms", type=_command.non_negative_float, default=1.0,
-                   help="real I/O: emulated compute per layer in ms (default 1)")
+    p.add_argument("--compute", type=parse_compute, default=None, metavar="numpy|sleep:MS",
+                   help="real I/O: the engine's compute per layer: numpy (default: each routed "
+                        "expert's SwiGLU MLP on its own tensors) or sleep:MS (an emulated sleep)")
+    p.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
+                   help=f"real I/O: where numpy compute runs: thread (a worker thread, the event "
+                        f"loop stays free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
+    p.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
+                   help="real I/O: the same as --compute sleep:MS")
     p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
     p.add_argument("--tokens", type=_command.positive_int, default=None,
                    help="real I/O: stop after this many decode tokens")
@@ -823,10 +836,10 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_libcachesim:
         raise StoreError("--compare-libcachesim needs --simulate")
     cycles = parse_cycles(args.cycles)
-    policies = parse_policies(args.policy, getattr(args, "experimental", False))
+    policies = parse_policies(args.policy, getattr(args, "experimental", False), real=True)
     engine_replay.reject_offline(policies, "with real I/O")
-    if args.compute_ms < 0 or (args.tokens is not None and args.tokens <= 0):
-        raise StoreError("--compute-ms must not be negative and --tokens must be positive")
+    if args.tokens is not None and args.tokens <= 0:
+        raise StoreError("--tokens must be positive")
     trace = load_trace(args.trace, args.expert_bytes)
     width = (contextlib.nullcontext() if args.prefetch_width is None
              else settings.override(prefetch_width=args.prefetch_width))
@@ -834,6 +847,7 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     with run_progress("replay", runs) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
+            compute=args.compute, compute_on=args.compute_on,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
             on_run=on_run, auto=getattr(args, "auto_budget", False),
             routing=not getattr(args, "keys_only", False)))

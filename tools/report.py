@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 
 def _mb(n: float) -> str:
@@ -37,4 +38,18 @@ def demo_table(r: dict[str, Any]) -> Group:
         devices.add_column(col, justify="right" if col != "device" else "left")
     for name, d in r["per_device"].items():
         devices.add_row(name, f"{d['reads']:,}", _mb(d["bytes"]), str(d["errors"]), str(d["in_flight"]))
-    return Group(summary, devices)
+    arms = r.get("arms") or []
+    if len(arms) < 2:
+        return Group(summary, devices)
+    where = f" on a {r['compute_on']}" if r.get("compute_on") else ""
+    side = Table(title=f"side by side: same trace, same budget, compute {r.get('compute', '?')}{where}, "
+                       f"median of {r.get('rounds', 1)} interleaved round(s), each cold",
+                 caption="felt, compute, other: ms per decode token (other: neither awaited nor computed)")
+    for col in ("arm", "tokens/s", "felt", "compute", "other", "decode hit %", "bytes read"):
+        side.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+    for a in arms:
+        side.add_row(a["arm"], f"{a['tokens_per_s']:.1f}", f"{a['decode_felt_wait_per_token_ms']:.2f}",
+                     f"{a['compute_ms_per_token']:.2f}", f"{a['other_ms_per_token']:.2f}",
+                     f"{100 * a['decode_hit_rate']:.1f}",
+                     _mb(a["bytes_read"]))
+    return Group(summary, devices, side, Text(r["verdict"], style="bold"))
