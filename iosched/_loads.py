@@ -33,7 +33,7 @@ from ._prefetch import PrefetchLedger
 from ._readplan import ReadPlan, pack, plan_reads
 from ._room import Room
 from ._scheduler import DEMAND, Ticket
-from ._slab import PAGE, Slab, SlabPool, round_up
+from ._slab import PAGE, REUSE_SLACK_MIN, REUSE_SLACK_SHIFT, Slab, SlabPool, round_up
 from ._view import ExpertView
 
 
@@ -97,7 +97,10 @@ class Loader:
             # holds more than the budget's headroom, not even until the load task starts: the
             # slab an eviction just returned is usually the one taken here.
             plan = plan_reads(layout, self._io.alignment)
-            self.pool.reclaim(self.headroom() + round_up(plan.capacity, PAGE))  # retired slabs now free
+            # Retired slabs now free: one may serve this load (up to take()'s slack larger).
+            capacity = round_up(plan.capacity, PAGE)
+            self.pool.reclaim(self.headroom() + capacity + max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT),
+                              2 * self._table.budget_bytes)
             slab = self.pool.take(plan.capacity)
             self.pool.trim(self.headroom())
         self._spawn(self._load(entry, layout, record, plan, slab))
@@ -208,7 +211,14 @@ class Loader:
         watched = weakref.ref(loaded.view.data)
         del loaded  # drop the views first: the pool recycles the slab only if nothing else holds one
         if slab is not None:
-            self.pool.give_back(slab, self.headroom(), entry.key, watched(), self._table.budget_bytes)
+            # The table counts the entry at its bytes, the slab holds them page- (O_DIRECT:
+            # block-) rounded: kept idle within the headroom alone, the slab an eviction frees
+            # never fit back exactly when the budget was full and was closed, so every miss
+            # mapped a fresh slab (its page faults, zeroing and munmap were most of the gap to
+            # a hand-written pread engine: docs/benchmarks.md, "Read path against 8 pread
+            # threads").  Its own rounding is memory it held a moment ago, not more.
+            self.pool.give_back(slab, self.headroom() + max(0, slab.capacity - entry.nbytes), entry.key,
+                                watched(), self._table.budget_bytes)
         if mapped is not None and self._zero_copy is not None:
             self._zero_copy.unmap(*mapped)
 

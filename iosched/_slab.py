@@ -33,6 +33,11 @@ from collections import defaultdict, deque
 from ._errors import InvariantError
 
 PAGE = mmap.PAGESIZE
+REUSE_SLACK_MIN = 64 << 10
+REUSE_SLACK_SHIFT = 6
+"""How much larger than asked an idle slab may be and still be taken: 64 KiB or 1/64 of the
+size, whichever is more (16 blocks of 4 KiB, more than O_DIRECT's rounding of a few extents
+adds; at most 1.6 % of a large slab held beyond what its expert needs)."""
 
 log = logging.getLogger("iosched")
 
@@ -141,8 +146,13 @@ class RetiredSlabs:
         self._parked[ticket] = record
         weakref.finalize(watch, self._fired.append, ticket).atexit = False
 
-    def reclaim(self) -> list[Slab]:
-        """The retired slabs nothing exports any more, no longer counted here."""
+    def reclaim(self, room: int | None = None, horizon: int = 0) -> list[Slab]:
+        """The retired slabs nothing exports any more, no longer counted here.
+
+        ``room`` (``None``: no limit): hand back free slabs only while their capacity sums to
+        at most ``room``; a free one beyond it stays retired (still counted in ``bytes``, as it
+        was a moment ago) for a later call, if it was retired when the pool's bytes taken were
+        past ``horizon``, else it is handed back too (and the caller closes it)."""
         fired = self._fired
         while fired:
             record = self._parked.pop(fired.popleft(), None)
@@ -155,7 +165,11 @@ class RetiredSlabs:
         for record in self._lingering:
             if record.slab.exported():
                 held.append(record)
+            elif room is not None and record.slab.capacity > room and record.taken_at > horizon:
+                held.append(record)  # free, kept for a later take (SlabPool.reclaim)
             else:
+                if room is not None:
+                    room -= record.slab.capacity
                 free.append(record.slab)
                 self.released += 1
                 self.bytes -= record.slab.capacity
@@ -192,13 +206,27 @@ class SlabPool:
         self.retired = RetiredSlabs()
 
     def take(self, nbytes: int) -> Slab:
+        """An idle slab of at least ``nbytes`` (page-rounded), else a new one.
+
+        An idle slab up to ``REUSE_SLACK`` larger is taken too: O_DIRECT rounds each expert's
+        reads out to whole blocks from wherever its bytes start, so experts of one size need
+        slabs one or two blocks apart, and an exact-size match missed half the recycling (a
+        fresh ``mmap`` costs its page faults and the kernel's zeroing on the first read into
+        it, and its ``munmap`` a TLB flush on every core: measured with ``iosched
+        bench-readpath``, docs/benchmarks.md)."""
         capacity = round_up(max(nbytes, 1), PAGE)
         self.takes += 1
-        self.taken_bytes += capacity
         free = self._idle.get(capacity)
+        if not free:
+            fits = [c for c, slabs in self._idle.items()
+                    if slabs and capacity < c <= capacity + max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT)]
+            free = self._idle[min(fits)] if fits else None
         if free:
-            self.idle_bytes -= capacity
-            return free.pop()
+            slab = free.pop()
+            self.idle_bytes -= slab.capacity
+            self.taken_bytes += slab.capacity
+            return slab
+        self.taken_bytes += capacity
         self.allocated += 1
         return Slab(capacity)
 
@@ -212,7 +240,7 @@ class SlabPool:
         ``watch`` its ``view.data`` array if something still references it; ``budget_bytes``
         dates the warning about views kept for long (:meth:`_warn_if_kept`)."""
         self.gives += 1
-        self.reclaim(max_idle_bytes)
+        self.reclaim(max_idle_bytes, 2 * budget_bytes)
         if watch is not None or slab.exported():
             self.retired.retire(slab, owner, watch, self.taken_bytes)
         else:
@@ -236,11 +264,24 @@ class SlabPool:
             "a lease. stats()['retired_bytes'] is what is held so; this is said once per store.",
             oldest.owner, self.taken_bytes - oldest.taken_at, budget_bytes, oldest.slab.capacity)
 
-    def reclaim(self, max_idle_bytes: int) -> None:
+    def reclaim(self, max_idle_bytes: int, keep_for: int = 0) -> None:
         """Take back the retired slabs whose last reference died (kept idle within
-        ``max_idle_bytes``, else closed)."""
+        ``max_idle_bytes``, else closed).
+
+        ``keep_for`` > 0: a free retired slab that does not fit in the idle limit now stays
+        retired until the pool has taken ``keep_for`` more bytes since it was retired, so a
+        later load reuses it.  Why: an engine's loop variable (``async with
+        store.acquire_many(keys) as views``) holds the previous batch while the next one
+        evicts it, so a whole batch of slabs is retired at once and comes back free at once,
+        when the budget has room for one of them; closed there, every later miss of that
+        batch mapped a fresh slab (page faults, zeroing, munmap's TLB flush: measured with
+        ``iosched bench-readpath``).  Held so, they are memory the engine's views held a
+        moment ago and ``retired_bytes`` still reports; the store keeps them for two turnovers of
+        the budget (``2 * budget_bytes``: retired while one batch loads, wanted by the next; one
+        turnover was too short by the slabs' page rounding and closed half of them)."""
         if len(self.retired):
-            for slab in self.retired.reclaim():
+            room = None if keep_for <= 0 else max(0, max_idle_bytes - self.idle_bytes)
+            for slab in self.retired.reclaim(room, self.taken_bytes - keep_for):
                 self._keep(slab, max_idle_bytes)
 
     def _keep(self, slab: Slab, max_idle_bytes: int) -> None:
