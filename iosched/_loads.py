@@ -33,7 +33,7 @@ from ._prefetch import PrefetchLedger
 from ._readplan import ReadPlan, pack, plan_reads
 from ._room import Room
 from ._scheduler import DEMAND, Ticket
-from ._slab import PAGE, REUSE_SLACK_MIN, REUSE_SLACK_SHIFT, Slab, SlabPool, round_up
+from ._slab import PAGE, Slab, SlabPool, reuse_slack, round_up
 from ._view import ExpertView
 
 
@@ -97,10 +97,12 @@ class Loader:
             # holds more than the budget's headroom, not even until the load task starts: the
             # slab an eviction just returned is usually the one taken here.
             plan = plan_reads(layout, self._io.alignment)
-            # Retired slabs now free: one may serve this load (up to take()'s slack larger).
+            # Retired slabs now free: one may serve this load (up to take()'s slack larger);
+            # the room asked for holds one such slab, never two (trim() would close the second).
             capacity = round_up(plan.capacity, PAGE)
-            self.pool.reclaim(self.headroom() + capacity + max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT),
-                              2 * self._table.budget_bytes)
+            if not self.pool.fits(capacity):
+                self.pool.reclaim(max(self.headroom(), self.pool.idle_bytes) + capacity + reuse_slack(capacity),
+                                  2 * self._table.budget_bytes)
             slab = self.pool.take(plan.capacity)
             self.pool.trim(self.headroom())
         self._spawn(self._load(entry, layout, record, plan, slab))

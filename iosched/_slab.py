@@ -35,9 +35,15 @@ from ._errors import InvariantError
 PAGE = mmap.PAGESIZE
 REUSE_SLACK_MIN = 64 << 10
 REUSE_SLACK_SHIFT = 6
-"""How much larger than asked an idle slab may be and still be taken: 64 KiB or 1/64 of the
-size, whichever is more (16 blocks of 4 KiB, more than O_DIRECT's rounding of a few extents
-adds; at most 1.6 % of a large slab held beyond what its expert needs)."""
+
+
+def reuse_slack(capacity: int) -> int:
+    """How much larger than ``capacity`` an idle slab may be and still be taken: 64 KiB or
+    1/64 of the size, whichever is more (16 blocks of 4 KiB, more than O_DIRECT's rounding of a
+    few extents adds; at most 1.6 % of a large slab held beyond what its expert needs), and
+    always less than ``capacity`` itself, so that room for one slab plus the slack never
+    holds two."""
+    return min(capacity - 1, max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT))
 
 log = logging.getLogger("iosched")
 
@@ -208,7 +214,7 @@ class SlabPool:
     def take(self, nbytes: int) -> Slab:
         """An idle slab of at least ``nbytes`` (page-rounded), else a new one.
 
-        An idle slab up to ``REUSE_SLACK`` larger is taken too: O_DIRECT rounds each expert's
+        An idle slab up to :func:`reuse_slack` larger is taken too: O_DIRECT rounds each expert's
         reads out to whole blocks from wherever its bytes start, so experts of one size need
         slabs one or two blocks apart, and an exact-size match missed half the recycling (a
         fresh ``mmap`` costs its page faults and the kernel's zeroing on the first read into
@@ -218,8 +224,7 @@ class SlabPool:
         self.takes += 1
         free = self._idle.get(capacity)
         if not free:
-            fits = [c for c, slabs in self._idle.items()
-                    if slabs and capacity < c <= capacity + max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT)]
+            fits = [c for c, slabs in self._idle.items() if slabs and capacity < c <= capacity + reuse_slack(capacity)]
             free = self._idle[min(fits)] if fits else None
         if free:
             slab = free.pop()
@@ -240,11 +245,14 @@ class SlabPool:
         ``watch`` its ``view.data`` array if something still references it; ``budget_bytes``
         dates the warning about views kept for long (:meth:`_warn_if_kept`)."""
         self.gives += 1
-        self.reclaim(max_idle_bytes, 2 * budget_bytes)
+        # The slab given back first, then the retired ones: the other way round, a retired
+        # slab freed meanwhile took the idle room and this one (which the load about to start
+        # would reuse just as well) was closed, so a retired slab freed was worth nothing.
         if watch is not None or slab.exported():
             self.retired.retire(slab, owner, watch, self.taken_bytes)
         else:
             self._keep(slab, max_idle_bytes)
+        self.reclaim(max_idle_bytes, 2 * budget_bytes)
         if owner is not None and len(self.retired) and not self.retired.warned:
             self._warn_if_kept(budget_bytes)
 
@@ -263,6 +271,11 @@ class SlabPool:
             "reused while that reference lives, and outside budget_bytes; copy what you keep past "
             "a lease. stats()['retired_bytes'] is what is held so; this is said once per store.",
             oldest.owner, self.taken_bytes - oldest.taken_at, budget_bytes, oldest.slab.capacity)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether :meth:`take` of ``nbytes`` would reuse an idle slab."""
+        capacity = round_up(max(nbytes, 1), PAGE)
+        return any(slabs and capacity <= c <= capacity + reuse_slack(capacity) for c, slabs in self._idle.items())
 
     def reclaim(self, max_idle_bytes: int, keep_for: int = 0) -> None:
         """Take back the retired slabs whose last reference died (kept idle within
