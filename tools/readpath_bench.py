@@ -39,8 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, StoreError, backends, load_index
-from iosched._layout import ExpertLayout
+from iosched import ExpertLayout, ExpertStore, StoreError, backends, load_index
 
 from . import _command, _runner
 from .demo import cache_dir
