@@ -213,14 +213,10 @@ class Loader:
         watched = weakref.ref(loaded.view.data)
         del loaded  # drop the views first: the pool recycles the slab only if nothing else holds one
         if slab is not None:
-            # The table counts the entry at its bytes, the slab holds them page- (O_DIRECT:
-            # block-) rounded: kept idle within the headroom alone, the slab an eviction frees
-            # never fit back exactly when the budget was full and was closed, so every miss
-            # mapped a fresh slab (its page faults, zeroing and munmap were most of the gap to
-            # a hand-written pread engine: docs/benchmarks.md, "Read path against 8 pread
-            # threads").  Its own rounding is memory it held a moment ago, not more.
-            self.pool.give_back(slab, self.headroom() + max(0, slab.capacity - entry.nbytes), entry.key,
-                                watched(), self._table.budget_bytes)
+            # hand_over: the load of the reservation this eviction made room for takes it in
+            # this step, though its page rounding does not fit the headroom (SlabPool.give_back).
+            self.pool.give_back(slab, self.headroom(), entry.key, watched(), self._table.budget_bytes,
+                                hand_over=True)
         if mapped is not None and self._zero_copy is not None:
             self._zero_copy.unmap(*mapped)
 

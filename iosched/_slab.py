@@ -24,6 +24,7 @@ reports them).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import mmap
@@ -210,6 +211,10 @@ class SlabPool:
         """Slabs given back (recycled, closed or retired); ``takes - gives`` are held by loads
         and resident experts."""
         self.retired = RetiredSlabs()
+        self.spare: Slab | None = None
+        """A slab an eviction freed that did not fit the idle headroom (by its own page or block
+        rounding), handed to the load the same event-loop step starts (:meth:`take`), else
+        closed at the end of that step: never idle, never held past the step."""
 
     def take(self, nbytes: int) -> Slab:
         """An idle slab of at least ``nbytes`` (page-rounded), else a new one.
@@ -222,6 +227,11 @@ class SlabPool:
         bench-readpath``, docs/benchmarks.md)."""
         capacity = round_up(max(nbytes, 1), PAGE)
         self.takes += 1
+        spare = self.spare
+        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+            self.spare = None
+            self.taken_bytes += spare.capacity
+            return spare
         free = self._idle.get(capacity)
         if not free:
             fits = [c for c, slabs in self._idle.items() if slabs and capacity < c <= capacity + reuse_slack(capacity)]
@@ -236,20 +246,30 @@ class SlabPool:
         return Slab(capacity)
 
     def give_back(self, slab: Slab, max_idle_bytes: int, owner: object = None, watch: object | None = None,
-                  budget_bytes: int = 0) -> None:
+                  budget_bytes: int = 0, hand_over: bool = False) -> None:
         """Return a slab: recycled (kept idle if the idle total stays within ``max_idle_bytes``,
         else closed) when nothing exports it, else retired until nothing does.
 
         ``owner`` is the published expert whose views the slab held (``None`` for a failed
         load's slab, which an exception's traceback may still reference for a while) and
         ``watch`` its ``view.data`` array if something still references it; ``budget_bytes``
-        dates the warning about views kept for long (:meth:`_warn_if_kept`)."""
+        dates the warning about views kept for long (:meth:`_warn_if_kept`).
+
+        ``hand_over`` (an eviction, whose reservation's load takes a slab in the same step): a
+        free slab that does not fit ``max_idle_bytes`` becomes the :attr:`spare` instead of
+        being closed.  Why: the table counts an expert at its bytes, its slab holds them page-
+        (O_DIRECT: block-) rounded, so with the budget full the slab an eviction freed never
+        fitted the headroom, was closed, and every miss mapped a fresh one: its page faults,
+        the kernel's zeroing and munmap's TLB flush were most of the gap to a hand-written
+        pread engine (docs/benchmarks.md, "Read path against 8 pread threads")."""
         self.gives += 1
         # The slab given back first, then the retired ones: the other way round, a retired
         # slab freed meanwhile took the idle room and this one (which the load about to start
         # would reuse just as well) was closed, so a retired slab freed was worth nothing.
         if watch is not None or slab.exported():
             self.retired.retire(slab, owner, watch, self.taken_bytes)
+        elif hand_over and self.idle_bytes + slab.capacity > max_idle_bytes and self.spare is None:
+            self._hand_over(slab)
         else:
             self._keep(slab, max_idle_bytes)
         self.reclaim(max_idle_bytes, 2 * budget_bytes)
@@ -272,9 +292,27 @@ class SlabPool:
             "a lease. stats()['retired_bytes'] is what is held so; this is said once per store.",
             oldest.owner, self.taken_bytes - oldest.taken_at, budget_bytes, oldest.slab.capacity)
 
+    def _hand_over(self, slab: Slab) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            slab.close()
+            return
+        self.spare = slab
+        loop.call_soon(self._spare_unused, slab)
+
+    def _spare_unused(self, slab: Slab) -> None:
+        """The step that made ``slab`` the spare ended: close it unless a load took it."""
+        if self.spare is slab:
+            self.spare = None
+            slab.close()
+
     def fits(self, nbytes: int) -> bool:
-        """Whether :meth:`take` of ``nbytes`` would reuse an idle slab."""
+        """Whether :meth:`take` of ``nbytes`` would reuse the spare or an idle slab."""
         capacity = round_up(max(nbytes, 1), PAGE)
+        spare = self.spare
+        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+            return True
         return any(slabs and capacity <= c <= capacity + reuse_slack(capacity) for c, slabs in self._idle.items())
 
     def reclaim(self, max_idle_bytes: int, keep_for: int = 0) -> None:
@@ -321,4 +359,7 @@ class SlabPool:
 
     def close(self) -> None:
         self.trim(0)
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
         self.retired.let_go()
