@@ -2,14 +2,19 @@
 
 Why a pool: a fresh anonymous mapping costs an ``mmap`` call and one page fault per 4 KiB on
 first write (about 750 faults for a 3 MiB expert); experts of one model come in a handful of
-sizes, so the buffer an eviction frees is usually the exact size the next load needs.
+sizes, so the buffer an eviction frees is usually the size the next load needs (the same
+after page rounding, or with O_DIRECT a block or two apart: :func:`reuse_slack`).  Before the
+pool really recycled under a full budget (:attr:`SlabPool.spare`), iosched's cold misses
+waited 1.35-1.8x as long as 8 hand-written ``pread`` threads (``iosched bench-readpath``).
 
 Why ``mmap.mmap(-1, n)``: anonymous mappings are page-aligned, which O_DIRECT needs, and they
 go back to the kernel on ``close`` instead of lingering in the allocator's heap.
 
 Invariant kept with the store's help: the pool holds idle buffers only while they fit in the
 budget's headroom (``resident + idle <= budget``, each buffer counted at its page-rounded
-size), so the buffers' total memory stays within the byte budget plus page rounding.
+size), so the buffers' total memory stays within the byte budget plus page rounding.  The
+one exception is the :attr:`SlabPool.spare`: an evicted expert's slab, held only until the end
+of the event-loop step in which the load it made room for takes it.
 
 **No stale view** (``docs/design.md``, "Slabs and views"): a slab is recycled only when no
 buffer of its mapping is exported any more (:meth:`Slab.exported`).  An engine that keeps

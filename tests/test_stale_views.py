@@ -8,9 +8,10 @@ three extents are read into a slab rather than mapped): the slab was recycled un
 Now a slab something still exports is *retired* (``iosched/_slab.py``): set aside, outside
 the budget, and taken back only once the last reference died.
 
-The budgets here leave a little slack above a whole number of experts: with an exact
-multiple, the page-rounded slab never fits the headroom, the pool recycles nothing, and a
-stale view would go unnoticed.
+The budgets here leave a little slack above a whole number of experts, so slabs are recycled
+through the idle pool (with an exact multiple the page-rounded slab never fits the headroom;
+it is then handed straight to the next load as the pool's ``spare``, which the last test here
+runs on every backend).
 """
 
 from __future__ import annotations
