@@ -33,7 +33,7 @@ from ._prefetch import PrefetchLedger
 from ._readplan import ReadPlan, pack, plan_reads
 from ._room import Room
 from ._scheduler import DEMAND, Ticket
-from ._slab import PAGE, Slab, SlabPool, round_up
+from ._slab import PAGE, Slab, SlabPool, reuse_slack, round_up
 from ._view import ExpertView
 
 
@@ -97,7 +97,12 @@ class Loader:
             # holds more than the budget's headroom, not even until the load task starts: the
             # slab an eviction just returned is usually the one taken here.
             plan = plan_reads(layout, self._io.alignment)
-            self.pool.reclaim(self.headroom() + round_up(plan.capacity, PAGE))  # retired slabs now free
+            # Retired slabs now free: one may serve this load (up to take()'s slack larger);
+            # the room asked for holds one such slab, never two (trim() would close the second).
+            capacity = round_up(plan.capacity, PAGE)
+            if not self.pool.fits(capacity):
+                self.pool.reclaim(max(self.headroom(), self.pool.idle_bytes) + capacity + reuse_slack(capacity),
+                                  2 * self._table.budget_bytes)
             slab = self.pool.take(plan.capacity)
             self.pool.trim(self.headroom())
         self._spawn(self._load(entry, layout, record, plan, slab))
@@ -208,7 +213,10 @@ class Loader:
         watched = weakref.ref(loaded.view.data)
         del loaded  # drop the views first: the pool recycles the slab only if nothing else holds one
         if slab is not None:
-            self.pool.give_back(slab, self.headroom(), entry.key, watched(), self._table.budget_bytes)
+            # hand_over: the load of the reservation this eviction made room for takes it in
+            # this step, though its page rounding does not fit the headroom (SlabPool.give_back).
+            self.pool.give_back(slab, self.headroom(), entry.key, watched(), self._table.budget_bytes,
+                                hand_over=True)
         if mapped is not None and self._zero_copy is not None:
             self._zero_copy.unmap(*mapped)
 

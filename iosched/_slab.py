@@ -2,14 +2,19 @@
 
 Why a pool: a fresh anonymous mapping costs an ``mmap`` call and one page fault per 4 KiB on
 first write (about 750 faults for a 3 MiB expert); experts of one model come in a handful of
-sizes, so the buffer an eviction frees is usually the exact size the next load needs.
+sizes, so the buffer an eviction frees is usually the size the next load needs (the same
+after page rounding, or with O_DIRECT a block or two apart: :func:`reuse_slack`).  Before the
+pool really recycled under a full budget (:attr:`SlabPool.spare`), iosched's cold misses
+waited 1.35-1.8x as long as 8 hand-written ``pread`` threads (``iosched bench-readpath``).
 
 Why ``mmap.mmap(-1, n)``: anonymous mappings are page-aligned, which O_DIRECT needs, and they
 go back to the kernel on ``close`` instead of lingering in the allocator's heap.
 
 Invariant kept with the store's help: the pool holds idle buffers only while they fit in the
 budget's headroom (``resident + idle <= budget``, each buffer counted at its page-rounded
-size), so the buffers' total memory stays within the byte budget plus page rounding.
+size), so the buffers' total memory stays within the byte budget plus page rounding.  The
+one exception is the :attr:`SlabPool.spare`: an evicted expert's slab, held only until the end
+of the event-loop step in which the load it made room for takes it.
 
 **No stale view** (``docs/design.md``, "Slabs and views"): a slab is recycled only when no
 buffer of its mapping is exported any more (:meth:`Slab.exported`).  An engine that keeps
@@ -24,6 +29,7 @@ reports them).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import mmap
@@ -33,6 +39,17 @@ from collections import defaultdict, deque
 from ._errors import InvariantError
 
 PAGE = mmap.PAGESIZE
+REUSE_SLACK_MIN = 64 << 10
+REUSE_SLACK_SHIFT = 6
+
+
+def reuse_slack(capacity: int) -> int:
+    """How much larger than ``capacity`` an idle slab may be and still be taken: 64 KiB or
+    1/64 of the size, whichever is more (16 blocks of 4 KiB, more than O_DIRECT's rounding of a
+    few extents adds; at most 1.6 % of a large slab held beyond what its expert needs), and
+    always less than ``capacity`` itself, so that room for one slab plus the slack never
+    holds two."""
+    return min(capacity - 1, max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT))
 
 log = logging.getLogger("iosched")
 
@@ -141,8 +158,13 @@ class RetiredSlabs:
         self._parked[ticket] = record
         weakref.finalize(watch, self._fired.append, ticket).atexit = False
 
-    def reclaim(self) -> list[Slab]:
-        """The retired slabs nothing exports any more, no longer counted here."""
+    def reclaim(self, room: int | None = None, horizon: int = 0) -> list[Slab]:
+        """The retired slabs nothing exports any more, no longer counted here.
+
+        ``room`` (``None``: no limit): hand back free slabs only while their capacity sums to
+        at most ``room``; a free one beyond it stays retired (still counted in ``bytes``, as it
+        was a moment ago) for a later call, if it was retired when the pool's bytes taken were
+        past ``horizon``, else it is handed back too (and the caller closes it)."""
         fired = self._fired
         while fired:
             record = self._parked.pop(fired.popleft(), None)
@@ -155,7 +177,11 @@ class RetiredSlabs:
         for record in self._lingering:
             if record.slab.exported():
                 held.append(record)
+            elif room is not None and record.slab.capacity > room and record.taken_at > horizon:
+                held.append(record)  # free, kept for a later take (SlabPool.reclaim)
             else:
+                if room is not None:
+                    room -= record.slab.capacity
                 free.append(record.slab)
                 self.released += 1
                 self.bytes -= record.slab.capacity
@@ -190,33 +216,68 @@ class SlabPool:
         """Slabs given back (recycled, closed or retired); ``takes - gives`` are held by loads
         and resident experts."""
         self.retired = RetiredSlabs()
+        self.spare: Slab | None = None
+        """A slab an eviction freed that did not fit the idle headroom (by its own page or block
+        rounding), handed to the load the same event-loop step starts (:meth:`take`), else
+        closed at the end of that step: never idle, never held past the step."""
 
     def take(self, nbytes: int) -> Slab:
+        """An idle slab of at least ``nbytes`` (page-rounded), else a new one.
+
+        An idle slab up to :func:`reuse_slack` larger is taken too: O_DIRECT rounds each expert's
+        reads out to whole blocks from wherever its bytes start, so experts of one size need
+        slabs one or two blocks apart, and an exact-size match missed half the recycling (a
+        fresh ``mmap`` costs its page faults and the kernel's zeroing on the first read into
+        it, and its ``munmap`` a TLB flush on every core: measured with ``iosched
+        bench-readpath``, docs/benchmarks.md)."""
         capacity = round_up(max(nbytes, 1), PAGE)
         self.takes += 1
-        self.taken_bytes += capacity
+        spare = self.spare
+        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+            self.spare = None
+            self.taken_bytes += spare.capacity
+            return spare
         free = self._idle.get(capacity)
+        if not free:
+            fits = [c for c, slabs in self._idle.items() if slabs and capacity < c <= capacity + reuse_slack(capacity)]
+            free = self._idle[min(fits)] if fits else None
         if free:
-            self.idle_bytes -= capacity
-            return free.pop()
+            slab = free.pop()
+            self.idle_bytes -= slab.capacity
+            self.taken_bytes += slab.capacity
+            return slab
+        self.taken_bytes += capacity
         self.allocated += 1
         return Slab(capacity)
 
     def give_back(self, slab: Slab, max_idle_bytes: int, owner: object = None, watch: object | None = None,
-                  budget_bytes: int = 0) -> None:
+                  budget_bytes: int = 0, hand_over: bool = False) -> None:
         """Return a slab: recycled (kept idle if the idle total stays within ``max_idle_bytes``,
         else closed) when nothing exports it, else retired until nothing does.
 
         ``owner`` is the published expert whose views the slab held (``None`` for a failed
         load's slab, which an exception's traceback may still reference for a while) and
         ``watch`` its ``view.data`` array if something still references it; ``budget_bytes``
-        dates the warning about views kept for long (:meth:`_warn_if_kept`)."""
+        dates the warning about views kept for long (:meth:`_warn_if_kept`).
+
+        ``hand_over`` (an eviction, whose reservation's load takes a slab in the same step): a
+        free slab that does not fit ``max_idle_bytes`` becomes the :attr:`spare` instead of
+        being closed.  Why: the table counts an expert at its bytes, its slab holds them page-
+        (O_DIRECT: block-) rounded, so with the budget full the slab an eviction freed never
+        fitted the headroom, was closed, and every miss mapped a fresh one: its page faults,
+        the kernel's zeroing and munmap's TLB flush were most of the gap to a hand-written
+        pread engine (docs/benchmarks.md, "Read path against 8 pread threads")."""
         self.gives += 1
-        self.reclaim(max_idle_bytes)
+        # The slab given back first, then the retired ones: the other way round, a retired
+        # slab freed meanwhile took the idle room and this one (which the load about to start
+        # would reuse just as well) was closed, so a retired slab freed was worth nothing.
         if watch is not None or slab.exported():
             self.retired.retire(slab, owner, watch, self.taken_bytes)
+        elif hand_over and self.idle_bytes + slab.capacity > max_idle_bytes and self.spare is None:
+            self._hand_over(slab)
         else:
             self._keep(slab, max_idle_bytes)
+        self.reclaim(max_idle_bytes, 2 * budget_bytes)
         if owner is not None and len(self.retired) and not self.retired.warned:
             self._warn_if_kept(budget_bytes)
 
@@ -236,11 +297,47 @@ class SlabPool:
             "a lease. stats()['retired_bytes'] is what is held so; this is said once per store.",
             oldest.owner, self.taken_bytes - oldest.taken_at, budget_bytes, oldest.slab.capacity)
 
-    def reclaim(self, max_idle_bytes: int) -> None:
+    def _hand_over(self, slab: Slab) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            slab.close()
+            return
+        self.spare = slab
+        loop.call_soon(self._spare_unused, slab)
+
+    def _spare_unused(self, slab: Slab) -> None:
+        """The step that made ``slab`` the spare ended: close it unless a load took it."""
+        if self.spare is slab:
+            self.spare = None
+            slab.close()
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether :meth:`take` of ``nbytes`` would reuse the spare or an idle slab."""
+        capacity = round_up(max(nbytes, 1), PAGE)
+        spare = self.spare
+        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+            return True
+        return any(slabs and capacity <= c <= capacity + reuse_slack(capacity) for c, slabs in self._idle.items())
+
+    def reclaim(self, max_idle_bytes: int, keep_for: int = 0) -> None:
         """Take back the retired slabs whose last reference died (kept idle within
-        ``max_idle_bytes``, else closed)."""
+        ``max_idle_bytes``, else closed).
+
+        ``keep_for`` > 0: a free retired slab that does not fit in the idle limit now stays
+        retired until the pool has taken ``keep_for`` more bytes since it was retired, so a
+        later load reuses it.  Why: an engine's loop variable (``async with
+        store.acquire_many(keys) as views``) holds the previous batch while the next one
+        evicts it, so a whole batch of slabs is retired at once and comes back free at once,
+        when the budget has room for one of them; closed there, every later miss of that
+        batch mapped a fresh slab (page faults, zeroing, munmap's TLB flush: measured with
+        ``iosched bench-readpath``).  Held so, they are memory the engine's views held a
+        moment ago and ``retired_bytes`` still reports; the store keeps them for two turnovers of
+        the budget (``2 * budget_bytes``: retired while one batch loads, wanted by the next; one
+        turnover was too short by the slabs' page rounding and closed half of them)."""
         if len(self.retired):
-            for slab in self.retired.reclaim():
+            room = None if keep_for <= 0 else max(0, max_idle_bytes - self.idle_bytes)
+            for slab in self.retired.reclaim(room, self.taken_bytes - keep_for):
                 self._keep(slab, max_idle_bytes)
 
     def _keep(self, slab: Slab, max_idle_bytes: int) -> None:
@@ -267,4 +364,7 @@ class SlabPool:
 
     def close(self) -> None:
         self.trim(0)
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
         self.retired.let_go()

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         manifest,
         pack,
         pack_bench,
+        readpath_bench,
         replay,
         replica_bench,
         soak,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     manifest.add_parser(sub)
     pack.add_parser(sub)
     pack_bench.add_parser(sub)
+    readpath_bench.add_parser(sub)
     replay.add_parser(sub)
     replica_bench.add_parser(sub)
     soak.add_parser(sub)
