@@ -71,10 +71,9 @@ from iosched._safetensors_index import (
     CONFIG_JSON,
     INDEX_JSON,
     HeaderEntry,
-    find_index_json,
-    read_header,
+    tensor_entries,
 )
-from iosched._untrusted import MAX_INDEX_JSON_BYTES, confined_name, list_folder, parse_json, quote, read_capped
+from iosched._untrusted import quote
 
 __all__ = ["DEFAULT_ALIGN", "DEFAULT_SHARD_BYTES", "ExpertMove", "PackError", "PackReport", "Placement",
            "pack_checkpoint"]
@@ -262,36 +261,10 @@ def _check_args(align: int, max_shard_bytes: int) -> None:
         raise PackError(f"max_shard_bytes={max_shard_bytes!r} is not a positive number of bytes")
 
 
-def _source_tensors(index: CheckpointIndex) -> tuple[dict[str, tuple[Path, HeaderEntry]], Path | None]:
-    """Every tensor of a safetensors source by name (the ``weight_map``'s choice when there is
-    one), and the folder holding it (``None`` for a lone file)."""
-    root = Path(index.root)
-    if root.is_file():
-        return {e.name: (root, e) for e in read_header(root)}, None
-    names = list_folder(root)
-    index_json = find_index_json(root, names)
-    out: dict[str, tuple[Path, HeaderEntry]] = {}
-    if index_json is None:
-        for name in names:
-            if name.endswith(".safetensors"):
-                for e in read_header(root / name):
-                    out.setdefault(e.name, (root / name, e))
-        return out, root
-    doc = parse_json(read_capped(index_json, MAX_INDEX_JSON_BYTES, "safetensors index"), index_json,
-                     "safetensors index")
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict):  # load_index accepted it a moment ago
-        raise CheckpointError(f"{index_json}: no 'weight_map' object of tensor name -> shard file")
-    headers: dict[str, dict[str, HeaderEntry]] = {}
-    for tensor, shard in weight_map.items():
-        if shard not in headers:
-            headers[shard] = {e.name: e for e in read_header(root / confined_name(shard, index_json, tensor))}
-        entry = headers[shard].get(tensor)
-        if entry is None:
-            raise CheckpointError(f"tensor {quote(tensor)} is listed in {index_json} as being in {quote(shard)}, "
-                                  f"but {root / shard} has no such tensor")
-        out[tensor] = (root / shard, entry)
-    return out, root
+def _source_tensors(index: CheckpointIndex) -> dict[str, tuple[Path, HeaderEntry]]:
+    """Every tensor of a safetensors source by name, with its shard (the reader's own choice:
+    the ``weight_map`` when there is one)."""
+    return {entry.name: (shard, entry) for shard, entry in tensor_entries(Path(index.root))}
 
 
 def _gguf_types(path: Path) -> tuple[dict[str, tuple[GgmlType, tuple[int, ...]]], bool]:
@@ -379,7 +352,7 @@ def _plan(index: CheckpointIndex, align: int, max_shard_bytes: int, src_meta: Ma
         others.extend(gguf_others)
         architecture = architecture or arch
     elif index.format == "safetensors":
-        tensors, _ = _source_tensors(index)
+        tensors = _source_tensors(index)
         for name, (file, entry) in tensors.items():
             dtype_of[name] = entry.dtype
             if name in expert_bases or name.startswith(meta.PAD_PREFIX):

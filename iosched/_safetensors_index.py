@@ -178,8 +178,22 @@ def read_folder(folder: Path) -> tuple[list[RawExpertTensor], IndexNotes]:
     facts = read_config(folder)
     names = list_folder(folder)
     index_json = find_index_json(folder, names)
-    entries = _weight_map_entries(folder, index_json) if index_json is not None else _listing_entries(folder, names)
-    return _assemble(entries, facts, index_json or folder)
+    return _assemble(_folder_entries(folder, names, index_json), facts, index_json or folder)
+
+
+def tensor_entries(source: Path) -> list[tuple[Path, HeaderEntry]]:
+    """Every tensor of a safetensors file or folder of shards, with the shard holding it,
+    chosen as :func:`read_folder` chooses (the ``weight_map`` when there is one): what
+    ``iosched pack`` copies besides the experts."""
+    if source.is_file():
+        return [(shard, entry) for shard, _, entry in _file_entries(source)]
+    names = list_folder(source)
+    entries = _folder_entries(source, names, find_index_json(source, names))
+    return [(shard, entry) for shard, _, entry in entries]
+
+
+def _folder_entries(folder: Path, names: list[str], index_json: Path | None) -> list[Located]:
+    return _weight_map_entries(folder, index_json) if index_json is not None else _listing_entries(folder, names)
 
 
 def config_counts(folder: Path) -> tuple[tuple[int | None, str], tuple[int | None, str]]:
