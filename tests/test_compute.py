@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 from iosched import ExpertStore, ExpertView, _settings, load_index
-from iosched.tools import compute, replay
+from iosched.tools import compute
 from iosched.tools.cli import main
 from iosched.tools.handwritten import HandwrittenLRU
 from iosched.tools.synth import write_safetensors_moe
+from tests.test_engine_replay import run_json
 
 
 def _direct(tensors: Any, x: np.ndarray) -> np.ndarray:
@@ -117,12 +118,6 @@ async def test_the_handwritten_arm_serves_the_stores_bytes_within_its_budget(tmp
         hand.close()
     assert len(served) == 24 and hand.hits > 0 and hand.requests - hand.hits >= 24
     assert hand.bytes_read == (hand.requests - hand.hits) * one  # one expert's bytes per miss
-
-
-def run_json(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> dict[str, Any]:
-    assert replay.main(argv) == status
-    out: dict[str, Any] = json.loads(capsys.readouterr().out)
-    return out
 
 
 def test_replay_sleep_compute_and_the_handwritten_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -59,6 +59,7 @@ from iosched._hf_names import (
 from iosched._layout import CheckpointIndex, DerivedTensor
 from iosched._safetensors_index import INDEX_JSON, load_folder
 from tests import _hf_corpus as hc
+from tests.test_checkpoint import _raises as _refused
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
@@ -436,17 +437,6 @@ def _set_config(folder: Path, **changes: Any) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
-
-
-def _refused(folder: Path, *needles: str) -> str:
-    from iosched import load_index
-
-    with pytest.raises(CheckpointError) as info:
-        load_index(folder)
-    message = str(info.value)
-    for needle in needles:
-        assert needle in message, message
-    return message
 
 
 def test_an_expert_missing_a_tensor_is_refused_by_name(corpus: Corpus, tmp_path: Path) -> None:

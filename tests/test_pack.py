@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from iosched import CheckpointError, ExpertStore, ExpertView, PackError, load_index, pack_checkpoint
-from iosched._layout import CheckpointIndex, ExpertKey, GgmlType
+from iosched._layout import CheckpointIndex, GgmlType
 from iosched._pack_meta import apply_pack_metadata, pack_metadata
 from iosched.tools.cli import main
+from tests.test_checkpoint_hostile import expert_bytes as extent_bytes
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 32
 Q8_0 = GgmlType("Q8_0", 32, 34)
@@ -81,15 +82,6 @@ def packed_index(folder: Path) -> CheckpointIndex:
     apply_pack_metadata is wired into it)."""
     index = load_index(folder)
     return apply_pack_metadata(index, pack_metadata(index.files))
-
-
-def extent_bytes(index: CheckpointIndex, key: ExpertKey) -> bytes:
-    out = b""
-    for e in index.experts[key].extents:
-        with open(index.files[e.file], "rb") as f:
-            f.seek(e.offset)
-            out += f.read(e.length)
-    return out
 
 
 @pytest.fixture(scope="module")
