@@ -17,13 +17,13 @@ acquire was waiting: six experts awaited together for 2 ms cost the engine 2 ms,
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from iosched.residency import Entry, EntryState, ResidencyTable
 
+from . import _clock
 from ._autogrow import AutoGrow
 from ._errors import UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
@@ -103,7 +103,7 @@ class Acquirer:
         """Acquire when the expert is not resident (or the store is closed)."""
         self._owner()
         self._lifecycle.check_open()
-        started = time.perf_counter()
+        started = _clock.now()
         if self._waiting == 0:
             self._wait_since = started
         self._waiting += 1
@@ -123,7 +123,7 @@ class Acquirer:
             return await self._lease_when_loaded(layout)
         finally:
             self._waiting -= 1
-            now = time.perf_counter()
+            now = _clock.now()
             if self._waiting == 0:
                 self.felt_wait_s += now - self._wait_since
             if self._on_wait is not None:

@@ -19,13 +19,13 @@ served wholly by the page cache counts in ``page_cache_misses``, any other in
 from __future__ import annotations
 
 import asyncio
-import time
 import weakref
 from typing import Any
 
 from iosched import backends
 from iosched.residency import Entry, EntryState, ResidencyTable
 
+from . import _clock
 from ._errors import ReadError, StoreClosed, StoreError
 from ._io import ReadPath
 from ._layout import ExpertKey, ExpertLayout
@@ -116,7 +116,7 @@ class Loader:
     async def _load(self, entry: Entry, layout: ExpertLayout, record: InFlight, plan: ReadPlan | None,
                     slab: Slab | None) -> None:
         """Read (into ``slab`` by ``plan``) or map the expert, then publish it."""
-        t0 = time.perf_counter()
+        t0 = _clock.now()
         ticket = record.ticket
         mapped: tuple[int, int, int] | None = None
         try:
@@ -136,7 +136,7 @@ class Loader:
                 raise
             return
         del self.in_flight[layout.key]
-        self.service_s += time.perf_counter() - t0
+        self.service_s += _clock.now() - t0
         if not ticket.prefetch:
             if cached:
                 self.page_cache_misses += 1

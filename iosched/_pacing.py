@@ -19,8 +19,9 @@ starts only on a drive with no demand read in flight or queued.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+
+from . import _clock
 
 BANDWIDTH_MEMORY = 8
 """Intervals the bandwidth average spans (decay 1 - 1/8)."""
@@ -31,7 +32,7 @@ class IdlePacer:
 
     def __init__(self, usage: Callable[[], dict[str, tuple[float, int]]]) -> None:
         self._usage = usage
-        self._mark = time.perf_counter()
+        self._mark = _clock.now()
         self._last = usage()
         self._bandwidth: dict[str, float] = {}
         self.allowance = 0
@@ -41,7 +42,7 @@ class IdlePacer:
 
     def interval_done(self) -> int:
         """Close the interval since the last call (a batch end): the new allowance."""
-        now = time.perf_counter()
+        now = _clock.now()
         usage = self._usage()
         dt = now - self._mark
         spare = 0.0

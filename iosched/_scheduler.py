@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import time
+
+from . import _clock
 
 DEMAND = 0
 PREFETCH = 1
@@ -88,7 +89,7 @@ class DeviceQueue:
     def busy_seconds(self) -> float:
         """Total time with at least one read in flight on the drive (up to now)."""
         if self.in_flight:
-            return self._busy_s + time.perf_counter() - self._busy_since
+            return self._busy_s + _clock.now() - self._busy_since
         return self._busy_s
 
     @property
@@ -106,7 +107,7 @@ class DeviceQueue:
 
     def _grant(self, priority: int) -> bool:
         if self.in_flight == 0:
-            self._busy_since = time.perf_counter()
+            self._busy_since = _clock.now()
         self.in_flight += 1
         speculative = priority != DEMAND
         self.speculative_in_flight += speculative
@@ -153,7 +154,7 @@ class DeviceQueue:
         self.in_flight -= 1
         self.speculative_in_flight -= speculative
         if self.in_flight == 0:
-            self._busy_s += time.perf_counter() - self._busy_since
+            self._busy_s += _clock.now() - self._busy_since
         self._dispatch()
 
     def _dispatch(self) -> None:

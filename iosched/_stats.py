@@ -103,8 +103,8 @@ class RequestCounts:
     misses: int = 0
     joins: int = 0
 
-    def snapshot(self) -> RequestTally:
-        return RequestTally(self.requests, self.hits, self.misses, self.joins)
+    def snapshot(self, felt_wait_s: float = 0.0) -> RequestTally:
+        return RequestTally(self.requests, self.hits, self.misses, self.joins, felt_wait_s)
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,8 @@ class RequestTally:
     hits: int
     misses: int
     single_flight_joins: int
+    felt_wait_s: float = 0.0
+    """``stats()["felt_wait_s"]`` so far: read per token, it gives felt wait per token."""
 
 
 # ---------------------------------------------------------------------------- snapshots

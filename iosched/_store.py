@@ -281,7 +281,7 @@ class ExpertStore:
     @property
     def request_tally(self) -> RequestTally:
         """How acquires were served so far, without building the whole :meth:`statistics`."""
-        return self._acquirer.counts.snapshot()
+        return self._acquirer.counts.snapshot(self._acquirer.felt_wait_s)
 
     def acquire(self, key: ExpertKey) -> Lease:
         """``async with store.acquire((layer, expert)) as view``; see :class:`Lease`."""

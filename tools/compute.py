@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from iosched import ExpertView
+from iosched import ExpertView, clock
 
 COMPUTE_ON = ("thread", "loop")
 DEFAULT_COMPUTE_ON = "thread"
@@ -58,14 +58,44 @@ BLAS_THREADS = 1
 
 
 @dataclass(frozen=True)
-class ComputeSpec:
-    """``--compute``: ``numpy`` (real compute) or ``sleep`` for ``sleep_s`` seconds a layer."""
+class ComputeModel:
+    """Modelled compute for runs on virtual time (``iosched replay --simulate --critical-path``):
+    a layer takes ``fixed_s + sum over its experts of (per_byte_s + per_byte_row_s x rows) x
+    bytes``, the shape of the real numpy compute's cost (the upcast and a matvec pass over
+    every weight byte once per layer, the matmul once more per extra row; module docstring).
+    :func:`calibrate` measures the three numbers on this machine with the real compute."""
 
-    kind: str
-    sleep_s: float = 0.0
+    fixed_s: float = 0.0
+    per_byte_s: float = 0.0
+    per_byte_row_s: float = 0.0
+
+    def seconds(self, nbytes: Sequence[int], rows: Sequence[int]) -> float:
+        t = self.fixed_s
+        for b, r in zip(nbytes, rows, strict=True):
+            t += (self.per_byte_s + self.per_byte_row_s * max(r, 1)) * b
+        return t
 
     @property
     def label(self) -> str:
+        if self.per_byte_s == 0 and self.per_byte_row_s == 0:
+            return f"const:{1e3 * self.fixed_s:.6g}"
+        return (f"linear:{1e3 * self.fixed_s:.6g},{1e3 * self.per_byte_s * 2**20:.6g},"
+                f"{1e3 * self.per_byte_row_s * 2**20:.6g}")
+
+
+@dataclass(frozen=True)
+class ComputeSpec:
+    """``--compute``: ``numpy`` (real compute), ``sleep`` for ``sleep_s`` seconds a layer, or
+    ``model`` (:class:`ComputeModel`, a sleep of the modelled length: for virtual time)."""
+
+    kind: str
+    sleep_s: float = 0.0
+    model: ComputeModel | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "model" and self.model is not None:
+            return self.model.label
         return "numpy" if self.kind == "numpy" else f"sleep:{1e3 * self.sleep_s:g}"
 
 
@@ -86,6 +116,73 @@ def parse_compute(text: str) -> ComputeSpec:
         if value == value and 0 <= value < float("inf"):
             return ComputeSpec("sleep", value / 1e3)
     raise argparse.ArgumentTypeError(f"{text!r} is not numpy or sleep:MS (MS a number >= 0)")
+
+
+def parse_compute_model(text: str) -> ComputeModel | None:
+    """``--compute-model``: ``const:MS`` (every layer), ``linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW``
+    (:class:`ComputeModel`, per MiB of routed expert bytes), or ``calibrate`` (``None``: measure
+    it here with :func:`calibrate`); an argparse type."""
+    if text == "calibrate":
+        return None
+    kind, _, rest = text.partition(":")
+    try:
+        values = [float(v) for v in rest.split(",")] if rest else []
+    except ValueError:
+        values = []
+    if all(v == v and 0 <= v < float("inf") for v in values):
+        if kind == "const" and len(values) == 1:
+            return ComputeModel(fixed_s=values[0] / 1e3)
+        if kind == "linear" and len(values) == 3:
+            return ComputeModel(values[0] / 1e3, values[1] / 1e3 / 2**20, values[2] / 1e3 / 2**20)
+    raise argparse.ArgumentTypeError(f"{text!r} is not calibrate, const:MS or "
+                                     f"linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW (numbers >= 0)")
+
+
+CALIBRATION_ROWS = 16
+"""Rows per expert of the calibration's multi-row case (a prefill batch's order of size)."""
+CALIBRATION_REPS = 7
+"""Timed repetitions per case (median), after one untimed warm-up."""
+
+
+def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16") -> ComputeModel:
+    """:class:`ComputeModel` of the real numpy compute (:meth:`Compute.run_layer`, one BLAS
+    thread) on this machine, for experts of ``gate``/``up`` ``[intermediate, hidden]`` in
+    ``dtype``: medians of one expert on one row, ``k`` experts on one row and ``k`` experts on
+    :data:`CALIBRATION_ROWS` rows each, solved for the fixed, per-byte and per-byte-row terms."""
+    import importlib
+    import statistics
+
+    ml_dtypes: Any = importlib.import_module("ml_dtypes")  # a dependency (bfloat16), untyped
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(0)
+
+    class _View:
+        def __init__(self) -> None:
+            self.tensors = {
+                "gate_proj": rng.standard_normal((intermediate, hidden)).astype(np_dtype),
+                "up_proj": rng.standard_normal((intermediate, hidden)).astype(np_dtype),
+                "down_proj": rng.standard_normal((hidden, intermediate)).astype(np_dtype)}
+
+    views = [_View() for _ in range(k)]
+    nbytes = 3 * hidden * intermediate * np_dtype.itemsize
+    engine = Compute(NUMPY, "loop")
+    try:
+        def median(n: int, rows: int) -> float:
+            engine.run_layer(views[:n], [rows] * n)  # type: ignore[arg-type]  # duck-typed views
+            times = []
+            for _ in range(CALIBRATION_REPS):
+                t0 = time.perf_counter()
+                engine.run_layer(views[:n], [rows] * n)  # type: ignore[arg-type]
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        t1, tk, tkr = median(1, 1), median(k, 1), median(k, CALIBRATION_ROWS)
+    finally:
+        engine.close()
+    per_expert_1 = max(0.0, (tk - t1) / max(k - 1, 1))  # (a + b) x bytes
+    fixed = max(0.0, t1 - per_expert_1)
+    per_row = max(0.0, (tkr - tk) / (k * (CALIBRATION_ROWS - 1)))  # b x bytes
+    return ComputeModel(fixed, max(0.0, per_expert_1 - per_row) / nbytes, per_row / nbytes)
 
 
 def limit_blas_threads(n: int = BLAS_THREADS) -> int | None:
@@ -195,9 +292,13 @@ class Compute:
     async def layer(self, views: Sequence[ExpertView], rows: Sequence[int]) -> None:
         """This batch's compute, where :attr:`on` says (``sleep``: the emulation)."""
         if self.spec.kind == "sleep":
-            t0 = time.perf_counter()
+            t0 = clock.now()
             await asyncio.sleep(self.spec.sleep_s)
-            self.seconds += time.perf_counter() - t0
+            self.seconds += clock.now() - t0
+        elif self.spec.kind == "model" and self.spec.model is not None:
+            t0 = clock.now()
+            await asyncio.sleep(self.spec.model.seconds([v.data.nbytes for v in views], rows))
+            self.seconds += clock.now() - t0
         elif self._pool is not None:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.run_layer, views, rows)
         else:

@@ -27,13 +27,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, load_index, settings
+from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, clock, load_index, settings
 from iosched.backends import resolve
 
 from ._replay_policies import HANDWRITTEN
@@ -169,6 +169,11 @@ class EngineRun:
     hit_bytes: int
     decode_compute_s: float = 0.0
     """Time the compute itself took from the first decode token on (``Compute.seconds``)."""
+    token_felt_s: list[float] = field(default_factory=list)
+    """Felt wait of each decode token (from one token boundary to the next), in order."""
+    decode_cpu_s: float = 0.0
+    """CPU time of the engine loop's thread (the event loop's: the store, its policy and this
+    loop; the compute too where it runs on the loop) from the first decode token on."""
 
 
 class EngineStore(Protocol):
@@ -231,7 +236,10 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
     decode_felt_start = 0.0
     compute_start = compute.seconds
     if decode_start is None:
-        decode_start = time.perf_counter()
+        decode_start = clock.now()
+    token_felt: list[float] = []
+    felt_mark = 0.0
+    cpu_start = time.thread_time()
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
     was_decode = False
     for batch, (phase, tok, layer, experts) in enumerate(trace.batches()):
@@ -242,10 +250,15 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
         if decode and tok != token:
             if tokens == total:
                 break
+            felt_now = store.request_tally.felt_wait_s
             if token < 0:
-                decode_start = time.perf_counter()
+                decode_start = clock.now()
+                cpu_start = time.thread_time()
                 decode_felt_start = store.stats()["felt_wait_s"]
                 compute_start = compute.seconds
+            else:
+                token_felt.append(felt_now - felt_mark)
+            felt_mark = felt_now
             store.token_boundary()
             token = tok
             tokens += 1
@@ -273,13 +286,17 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
         if decode:
             dec_req += n
             dec_hits += h
-    decode_seconds = time.perf_counter() - decode_start
+    decode_seconds = clock.now() - decode_start
+    decode_cpu = time.thread_time() - cpu_start
+    if tokens:
+        token_felt.append(store.request_tally.felt_wait_s - felt_mark)
     return EngineRun(
         tokens=tokens, prefill_batches=prefill_batches, decode_seconds=decode_seconds,
         decode_felt_wait_s=store.stats()["felt_wait_s"] - decode_felt_start,
         decode_requests=dec_req, decode_hits=dec_hits, requests=all_req, hits=all_hits,
         requested_bytes=req_bytes, hit_bytes=hit_bytes,
-        decode_compute_s=compute.seconds - compute_start,
+        decode_compute_s=compute.seconds - compute_start, token_felt_s=token_felt,
+        decode_cpu_s=decode_cpu,
     )
 
 

@@ -79,7 +79,7 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
             s = store.stats()
     finally:
         engine.close()
-    return _row(policy, cycles, s, run, wall, engine)
+    return result_row(policy, cycles, s, run, wall, engine)
 
 
 async def _handwritten_run(folder: Path, trace: RouteTrace, cycles: float, budget: int | str,
@@ -106,10 +106,10 @@ async def _handwritten_run(folder: Path, trace: RouteTrace, cycles: float, budge
         "admissions": None, "rejections": None, "loop": type(asyncio.get_running_loop()).__module__,
         "drop_behind": direct,
     }
-    return _row(HANDWRITTEN, cycles, s, run, wall, engine)
+    return result_row(HANDWRITTEN, cycles, s, run, wall, engine)
 
 
-def _row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wall: float,
+def result_row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wall: float,
          engine: Compute) -> dict[str, Any]:
     growth = s["budget_growth"]
     return {
@@ -146,6 +146,7 @@ def _row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wal
         "seconds": wall,
         "compute_ms_per_token": 1e3 * run.decode_compute_s / max(run.tokens, 1),
         "other_ms_per_token": demo.other_ms_per_token(run),
+        "loop_cpu_ms_per_token": 1e3 * run.decode_cpu_s / max(run.tokens, 1),
         **engine.describe(),
     }
 

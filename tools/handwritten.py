@@ -93,7 +93,8 @@ class HandwrittenEngineStore(HandwrittenLRU):
     @property
     def request_tally(self) -> RequestTally:
         return RequestTally(requests=self.requests, hits=self.hits,
-                            misses=self.requests - self.hits, single_flight_joins=0)
+                            misses=self.requests - self.hits, single_flight_joins=0,
+                            felt_wait_s=self.wait_s)
 
     def token_boundary(self) -> None:
         pass

@@ -78,7 +78,8 @@ from . import _command
 from ._progress import run_progress
 from ._replay_policies import EXPERIMENTAL, HANDWRITTEN, OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
-from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, parse_compute
+from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, parse_compute, parse_compute_model
+from .critical_path import DEFAULT_DRIVE_LATENCY_US, DEFAULT_DRIVE_MBPS
 from .trace import (
     PHASE_DECODE,
     RouteTrace,
@@ -735,6 +736,28 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate", action="store_true",
                    help="replay through the residency table in virtual time, without I/O "
                         "(default: real reads against a checkpoint built to the trace's shape)")
+    p.add_argument("--critical-path", action="store_true",
+                   help="with --simulate: run the real store on virtual time, a modelled drive "
+                        "and modelled compute, and report tokens/s, felt wait p50/p99, bytes, "
+                        "prefetch precision and CPU per token (tools/critical_path.py)")
+    p.add_argument("--drive-mbps", type=_command.positive_float, default=None, metavar="MB/S",
+                   help=f"critical path: the modelled drive's bandwidth (default "
+                        f"{DEFAULT_DRIVE_MBPS:g}, or --drive's probe)")
+    p.add_argument("--drive-latency-us", type=_command.non_negative_float, default=None, metavar="US",
+                   help=f"critical path: the modelled drive's per-request latency (default "
+                        f"{DEFAULT_DRIVE_LATENCY_US:g}, or --drive's probe)")
+    p.add_argument("--drive", default=None, metavar="FILE.json",
+                   help="critical path: the drive model from `iosched topology PATH --probe --json` "
+                        "written to FILE.json (its depth-qd MB/s and depth-1 latency)")
+    p.add_argument("--compute-model", type=parse_compute_model, default=None,
+                   metavar="calibrate|const:MS|linear:MS,MS_PER_MIB,MS_PER_MIB_ROW",
+                   help="critical path: a layer's modelled compute (default calibrate: the real "
+                        "numpy compute measured here on the checkpoint's expert shape)")
+    p.add_argument("--cpu", choices=("measured", "free"), default="measured",
+                   help="critical path: charge the store's and the policy's real CPU time to the "
+                        "virtual clock (measured, default) or not (free: same inputs, same numbers)")
+    p.add_argument("--queue-depth", type=_command.positive_int, default=None, metavar="N",
+                   help="critical path: the store's queue_depth (default the store's)")
     p.add_argument("--cycles", default=DEFAULT_CYCLES,
                    help=f"budgets in token cycles, comma list (default {DEFAULT_CYCLES})")
     p.add_argument("--policy", default=DEFAULT_POLICIES,
@@ -856,6 +879,37 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
+    from . import critical_path
+
+    if args.compare_libcachesim:
+        raise StoreError("--compare-libcachesim compares hit rates: drop --critical-path")
+    if args.token_budget is not None:
+        raise StoreError("--token-budget is the hit-rate replay's; the critical path runs the store's own pacing")
+    cycles = parse_cycles(args.cycles)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False), real=True)
+    trace = load_trace(args.trace, args.expert_bytes)
+    bandwidth, latency = DEFAULT_DRIVE_MBPS * 1e6, DEFAULT_DRIVE_LATENCY_US / 1e6
+    facts = None
+    if args.drive is not None:
+        bandwidth, latency, facts = critical_path.drive_from_probe(args.drive)
+    if args.drive_mbps is not None:
+        bandwidth = args.drive_mbps * 1e6
+    if args.drive_latency_us is not None:
+        latency = args.drive_latency_us / 1e6
+    width = (contextlib.nullcontext() if args.prefetch_width is None
+             else settings.override(prefetch_width=args.prefetch_width))
+    with run_progress("replay", len(policies) * len(cycles)) as on_run, width:
+        out = critical_path.replay_critical_path(
+            trace, args.trace, cycles, policies, compute_model=args.compute_model, bandwidth=bandwidth,
+            latency=latency, drive_facts=facts, queue_depth=args.queue_depth, charge_cpu=args.cpu == "measured",
+            max_tokens=args.tokens, scale=args.scale, on_run=on_run,
+            routing=not getattr(args, "keys_only", False))
+    if not args.json:
+        _print_table(critical_path.critical_table(out))
+    return out
+
+
 def _check_prefetch_args(args: argparse.Namespace) -> None:
     if args.prefetch_width is not None and args.prefetch_width < 0:
         raise StoreError(f"--prefetch-width must be 0 or more, got {args.prefetch_width}")
@@ -906,7 +960,11 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "eval", None) is not None:
         raise StoreError("--eval needs --train (the trace the policies learn from)")
     if not args.simulate:
+        if getattr(args, "critical_path", False):
+            raise StoreError("--critical-path needs --simulate (it is the virtual-time replay of the store)")
         return _cmd_real(args)
+    if getattr(args, "critical_path", False):
+        return _cmd_critical_path(args)
     cycles = parse_cycles(args.cycles)
     policies = parse_policies(args.policy, getattr(args, "experimental", False))
     if args.compare_libcachesim:

@@ -1,0 +1,261 @@
+"""``iosched replay --simulate --critical-path``: the store itself, on virtual time.
+
+What it measures: the engine's critical path per token — tokens/s, felt wait per token (p50,
+p99), bytes moved (demand and prefetch), prefetch precision and coverage, CPU per token — for
+every policy and budget, without the noise of a real disk and without a disk at all.
+
+How: each run opens the real :class:`iosched.ExpertStore` (its residency table, policy,
+per-device queues, priorities, pacing, prefetch rules, on the store's own orchestration: no
+second copy of the per-batch loop) on :class:`iosched.clock.VirtualTimeLoop`, and replays the
+trace through the very engine loop of the real-I/O replay (:func:`iosched.tools.demo.drive_engine`).
+Two things are modelled, because they are not the store:
+
+* **the drive**: :class:`iosched.backends.modelled.ModelledBackend`, a bandwidth and a
+  per-request latency per drive (``--drive-mbps``/``--drive-latency-us``, or ``--drive
+  FILE.json``, the output of ``iosched topology PATH --probe --json``: its depth-``qd`` MB/s,
+  and its depth-1 median read time less that read's transfer time), under the store's own
+  queue depth;
+* **the compute**: :class:`iosched.tools.compute.ComputeModel`, a sleep per layer of a
+  constant, or of the layer's routed bytes times a per-byte (and per-byte-and-row) cost;
+  ``calibrate`` (the default) measures those on this machine with the real numpy compute.
+
+The store's and the policy's CPU are *measured*: the loop's clock runs on with the real time
+Python spends on it (``charge_cpu``; ``--cpu free`` makes CPU cost nothing, and then the same
+inputs give the same numbers to the last digit).  What the compute does to the CPU beside the
+store (two cores shared by BLAS, reader threads and the loop) is not modelled: the engine's
+compute is assumed to run elsewhere (a GPU, or cores of its own).
+
+The checkpoint is the real-I/O replay's (same tensor names, shapes and files, ``--scale``)
+written sparse (``tools/synth.py`` writes real bytes; a sparse file holds the same index
+at no disk cost, so ``--scale 1``'s 17.6 GB Qwen3 shape costs a few KiB): the store indexes it
+as any checkpoint, and the modelled drive never reads it.
+
+Row keys, beyond the real-I/O replay's: ``felt_p50_ms``/``felt_p99_ms`` (per decode token),
+``demand_bytes``/``prefetch_bytes`` (``bytes_read`` split by who started the load),
+``prefetch_precision`` (used / issued, ``None`` without prefetches), ``prefetch_coverage``
+(used / (used + demand misses): the share of the misses prefetching took off the critical
+path, the demand misses left counted as the ones it did not), ``cpu_ms_per_token`` (the
+loop thread's CPU time per decode token: the store, the policy and the engine loop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from iosched import ExpertStore, StoreError, clock, load_index
+from iosched.backends.modelled import DriveModel, ModelledBackend
+
+from . import demo, engine_replay
+from ._replay_policies import HANDWRITTEN
+from .compute import Compute, ComputeModel, ComputeSpec, calibrate
+from .trace import RouteTrace
+
+SPARSE_VERSION = 1
+DEFAULT_DRIVE_MBPS = 1500.0
+"""The drive when none is given: a PCIe 3 NVMe's order of random-read bandwidth at depth
+(1.5 GB/s), the middle of the issue's 0.5-3 GB/s range."""
+DEFAULT_DRIVE_LATENCY_US = 80.0
+"""Per-request latency when none is given: a TLC NVMe's 4 KiB random-read latency at depth 1
+is 60-100 µs (vendors' data sheets)."""
+
+
+def sparse_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = demo.SCALE) -> Path:
+    """The real-I/O replay's checkpoint for ``trace`` at ``scale``, written sparse (built once,
+    atomically).  Written here rather than by ``safetensors``: its writer takes arrays, and the
+    point is to hold none.  The format is safetensors' own: an 8-byte little-endian header
+    length, the JSON header (padded with spaces to 8 bytes), the data."""
+    if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
+        raise StoreError(f"--scale must be an integer from 1 to 64, got {scale!r}")
+    hidden, inter = demo.REAL_HIDDEN // scale, demo.REAL_INTERMEDIATE // scale
+    n_layers = len(trace.layers)
+    name = f"sparse-v{SPARSE_VERSION}-{trace.arch}-{n_layers}x{trace.n_expert}-{hidden}x{inter}"
+    target = (folder or demo.cache_dir()) / name
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f"{name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    shards = min(4, n_layers)
+    per = -(-n_layers // shards)
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for layer in range(s * per, min(n_layers, (s + 1) * per)):
+            for e in range(trace.n_expert):
+                for role, shape in (("gate_proj", [inter, hidden]), ("up_proj", [inter, hidden]),
+                                    ("down_proj", [hidden, inter])):
+                    tname = f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"
+                    n = shape[0] * shape[1] * 2
+                    header[tname] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+                    weight_map[tname] = fname
+                    offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(tmp / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / ".complete").write_text(f"{trace.source}\n")
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process built it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def drive_from_probe(path: str, drive: str | None = None) -> tuple[float, float, dict[str, Any]]:
+    """``(bandwidth bytes/s, latency s, facts)`` from ``iosched topology --probe --json``'s
+    output in ``path``: the named drive's probe, or the only (first) probed one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"--drive {path}: cannot read a topology JSON: {exc}") from exc
+    drives = doc.get("drives") if isinstance(doc, dict) else None
+    if not isinstance(drives, dict):
+        raise StoreError(f"--drive {path}: no \"drives\" object (write it with iosched topology PATH --probe --json)")
+    probed = {n: d["probe"] for n, d in drives.items() if isinstance(d, dict) and isinstance(d.get("probe"), dict)}
+    if drive is not None and drive not in probed:
+        raise StoreError(f"--drive {path}: drive {drive!r} has no probe (probed: {', '.join(probed) or 'none'})")
+    if not probed:
+        raise StoreError(f"--drive {path}: no drive was probed (run iosched topology PATH --probe --json)")
+    name = drive or next(iter(probed))
+    p = probed[name]
+    try:
+        bw = float(p["mbps"]) * 1e6
+        one = float(p["qd1"]["p50_ms"]) / 1e3
+        bs = float(p["bs"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(f"--drive {path}: drive {name!r}'s probe lacks mbps, bs or qd1.p50_ms") from exc
+    if not bw > 0:
+        raise StoreError(f"--drive {path}: drive {name!r} probed at {p['mbps']} MB/s")
+    return bw, max(0.0, one - bs / bw), {"drive": name, "probe_mbps": p["mbps"], "probe_qd": p.get("qd"),
+                                         "probe_qd1_p50_ms": p["qd1"]["p50_ms"], "probe_bs": bs}
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, budget: int,
+                   model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
+                   max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
+                   routing: bool) -> dict[str, Any]:
+    loop = clock.running_virtual_loop()
+    if loop is None:
+        raise StoreError("the critical-path replay runs on iosched.clock.VirtualTimeLoop")
+    drive = DriveModel(bandwidth, latency)
+    engine = Compute(ComputeSpec("model", model=model))
+    async with await ExpertStore.open(folder, budget_bytes=budget, backend=ModelledBackend(drive),
+                                      policy=policy, experts_per_token=trace.k,
+                                      queue_depth=queue_depth) as store:
+        loop.skipping = True
+        loop.executor_calls = 0
+        t0 = clock.now()
+        run = await demo.drive_engine(store, trace, engine, max_tokens, expert_bytes=expert_bytes,
+                                      layer_map=layer_map, routing=routing)
+        wall = clock.now() - t0
+        store.end_turn()
+        with loop.uncharged():
+            s = store.stats()
+    if loop.executor_calls:
+        raise StoreError(f"policy {policy}: {loop.executor_calls} calls went to threads during the "
+                         "virtual-time run; their time would have been skipped, not waited for")
+    row = engine_replay.result_row(policy, cycles, s, run, wall, engine)
+    felt_ms = [1e3 * f for f in run.token_felt_s]
+    issued, used = s["prefetch_issued"], s["prefetch_used"]
+    misses = s["misses"]
+    row.update({
+        "felt_p50_ms": _percentile(felt_ms, 0.50), "felt_p99_ms": _percentile(felt_ms, 0.99),
+        "prefetch_bytes": s["migration_bytes"], "demand_bytes": s["bytes_read"] - s["migration_bytes"],
+        "prefetch_issued": issued, "prefetch_used": used,
+        "prefetch_precision": used / issued if issued else None,
+        "prefetch_coverage": used / (used + misses) if used + misses else None,
+        "cpu_ms_per_token": 1e3 * run.decode_cpu_s / max(run.tokens, 1),
+        "drive": drive.describe(),
+    })
+    return row
+
+
+def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Sequence[str], *,
+                         compute_model: ComputeModel | None = None, bandwidth: float = DEFAULT_DRIVE_MBPS * 1e6,
+                         latency: float = DEFAULT_DRIVE_LATENCY_US / 1e6, drive_facts: dict[str, Any] | None = None,
+                         queue_depth: int | None = None, charge_cpu: bool = True, max_tokens: int | None = None,
+                         folder: Path | None = None, scale: int = demo.SCALE,
+                         on_run: Callable[[str], None] | None = None, routing: bool = True) -> dict[str, Any]:
+    """Every policy at every budget, each run on a fresh virtual-time loop (module docstring).
+    ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`)."""
+    engine_replay.reject_offline(policies, "on the critical path (it runs the store)")
+    if HANDWRITTEN in policies:
+        raise StoreError("--policy handwritten runs with real reads only (its thread pool of preads "
+                         "is not the store and cannot run on virtual time)")
+    if max_tokens is not None and max_tokens <= 0:
+        raise StoreError("--tokens must be positive")
+    ckpt = sparse_checkpoint(trace, folder, scale)
+    index = load_index(ckpt)
+    by_layer = index.expert_bytes_by_layer()
+    ck_layers = sorted(by_layer)
+    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
+    expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
+    td = trace.k * sum(by_layer.values())
+    calibrated = compute_model is None
+    if compute_model is None:
+        hidden, inter = demo.REAL_HIDDEN // scale, demo.REAL_INTERMEDIATE // scale
+        compute_model = calibrate(hidden, inter, trace.k)
+    results: list[dict[str, Any]] = []
+    for c in cycles:
+        budget = max(1, int(c * td))
+        for name in policies:
+            if on_run is not None:
+                on_run(f"{name} @ {c:g} cycles")
+            results.append(clock.run(_one_run(
+                ckpt, trace, name, c, budget, compute_model, bandwidth, latency, queue_depth,
+                max_tokens, expert_bytes, layer_map, routing), charge_cpu=charge_cpu))
+    return {
+        "trace": label, "mode": "critical-path", "k": trace.k, "td_bytes": td,
+        "trace_td_bytes": trace.td_bytes, "results": results, "checkpoint": str(ckpt),
+        "source": trace.source, "model": trace.model, "arch": trace.arch,
+        "compute": compute_model.label, "compute_calibrated": calibrated,
+        "drive_mbps": bandwidth / 1e6, "drive_latency_us": latency * 1e6, "drive_probe": drive_facts,
+        "queue_depth": queue_depth, "cpu": "measured" if charge_cpu else "free",
+        "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
+        "routing": routing, "scale": scale,
+    }
+
+
+def critical_table(out: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"iosched replay {out['trace']} --critical-path (virtual time: drive "
+                        f"{out['drive_mbps']:.0f} MB/s + {out['drive_latency_us']:.0f} µs, "
+                        f"compute {out['compute']}, CPU {out['cpu']})")
+    for col in ("policy", "TD", "tokens/s", "felt ms/tok p50", "p99", "other ms/tok",
+                "GB demand", "GB prefetch", "precision", "coverage", "CPU ms/tok"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.0f}%"
+
+    for r in out["results"]:
+        table.add_row(r["policy"], f"{r['cycles']:g}", f"{r['tokens_per_s']:.2f}",
+                      f"{r['felt_p50_ms']:.2f}", f"{r['felt_p99_ms']:.2f}", f"{r['other_ms_per_token']:.2f}",
+                      f"{r['demand_bytes'] / 1e9:.2f}", f"{r['prefetch_bytes'] / 1e9:.2f}",
+                      pct(r["prefetch_precision"]), pct(r["prefetch_coverage"]), f"{r['cpu_ms_per_token']:.2f}")
+    note = (f"{out['model'] or out['source']}: k={out['k']}, TD={out['td_bytes'] / 2**20:.1f} MiB "
+            f"(--scale {out['scale']}), {out['tokens']} decode tokens; modelled drive and compute, "
+            f"the store and its policy real")
+    return Group(table, Text(note, style="dim"))
+
