@@ -30,7 +30,6 @@ import pytest
 
 from iosched import ExpertStore, _settings, clock
 from iosched.backends.modelled import DriveModel, ModelledBackend
-from iosched.tools import replay
 from iosched.tools.compute import ComputeModel, calibrate, parse_compute_model
 
 from .test_engine_replay import run_json
