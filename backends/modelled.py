@@ -73,10 +73,17 @@ class ModelledBackend:
 
     name: ClassVar[str] = "modelled"
 
-    def __init__(self, drive: DriveModel, drives: Mapping[str, DriveModel] | None = None) -> None:
+    def __init__(self, drive: DriveModel, drives: Mapping[str, DriveModel] | None = None,
+                 cpu_per_read: float = 0.0) -> None:
         """``drive``: the model of every file's drive; ``drives``: models by path prefix (a
-        mirror's root, say), the longest matching prefix winning, ``drive`` for the rest."""
+        mirror's root, say), the longest matching prefix winning, ``drive`` for the rest.
+        ``cpu_per_read``: seconds of the event loop's thread a real backend spends on each
+        read beyond what this one does (handing it to a thread and taking its completion
+        back); charged to a :class:`iosched.clock.VirtualTimeLoop` when the read completes."""
+        if not 0 <= cpu_per_read < float("inf"):
+            raise StoreError(f"modelled backend: cpu_per_read must be seconds >= 0, got {cpu_per_read!r}")
         self.drive = drive
+        self.cpu_per_read = cpu_per_read
         self._by_prefix = sorted((drives or {}).items(), key=lambda kv: -len(kv[0]))
         self._files: list[tuple[str, int, DriveModel]] = []
 
@@ -105,6 +112,10 @@ class ModelledBackend:
         now = loop.time()
         done = model.schedule(count, now)
         await asyncio.sleep(done - now)
+        if self.cpu_per_read:
+            advance = getattr(loop, "advance", None)
+            if advance is not None:
+                advance(self.cpu_per_read)
         return count
 
     def info(self) -> dict[str, Any]:

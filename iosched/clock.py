@@ -91,8 +91,14 @@ class _SkippingSelector(selectors.BaseSelector):
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on virtual time (module docstring)."""
 
-    def __init__(self, charge_cpu: bool = True) -> None:
+    def __init__(self, charge_cpu: bool = True, cpu_scale: float = 1.0) -> None:
+        """``cpu_scale``: real time on the loop counts this many times over (``charge_cpu``):
+        the simulator's measured slowdown of the store's Python where a real engine's reads
+        and compute share the machine with it (``tools/critical_path.py``)."""
+        if not 0 < cpu_scale < float("inf"):
+            raise ValueError(f"cpu_scale must be a positive number, got {cpu_scale!r}")
         self.charge_cpu = charge_cpu
+        self.cpu_scale = cpu_scale
         self.skipping = False
         """Whether waits for timers are skipped (off: the loop waits in real time)."""
         self.skipped_s = 0.0
@@ -109,10 +115,18 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if self._frozen is not None:
             return self._frozen
         if self.charge_cpu:
-            return time.perf_counter() - self._origin - self.uncharged_s + self.skipped_s
+            return (time.perf_counter() - self._origin - self.uncharged_s) * self.cpu_scale + self.skipped_s
         return self.skipped_s
 
     def _skip(self, seconds: float) -> None:
+        self.skipped_s += seconds
+
+    def advance(self, seconds: float) -> None:
+        """The running callback took ``seconds`` more (modelled work that holds the loop, such
+        as an engine's compute on the event loop): the clock moves on at once, and nothing
+        else runs meanwhile, exactly as if the callback had computed that long."""
+        if not seconds >= 0:
+            raise ValueError(f"advance by {seconds!r}: a number of seconds >= 0")
         self.skipped_s += seconds
 
     @contextlib.contextmanager
@@ -138,11 +152,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return super().run_in_executor(executor, func, *args)
 
 
-def run(main: Coroutine[Any, Any, T], charge_cpu: bool = True) -> T:
+def run(main: Coroutine[Any, Any, T], charge_cpu: bool = True, cpu_scale: float = 1.0) -> T:
     """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop`, with the store's clock
     on that loop's time.  ``main`` turns :attr:`VirtualTimeLoop.skipping` on for the part it
     simulates (``asyncio.get_running_loop()`` is the loop)."""
-    loop = VirtualTimeLoop(charge_cpu)
+    loop = VirtualTimeLoop(charge_cpu, cpu_scale)
     try:
         with use(loop.time):
             return loop.run_until_complete(main)

@@ -37,7 +37,7 @@ import asyncio
 import ctypes
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from iosched import ExpertView, clock
+from iosched import ExpertView, StoreError, clock
 
 COMPUTE_ON = ("thread", "loop")
 DEFAULT_COMPUTE_ON = "thread"
@@ -63,24 +63,34 @@ class ComputeModel:
     a layer takes ``fixed_s + sum over its experts of (per_byte_s + per_byte_row_s x rows) x
     bytes``, the shape of the real numpy compute's cost (the upcast and a matvec pass over
     every weight byte once per layer, the matmul once more per extra row; module docstring).
-    :func:`calibrate` measures the three numbers on this machine with the real compute."""
+    :func:`calibrate` measures the three numbers on this machine with the real compute.
+
+    ``io_slowdown``: how much longer the same layer takes while the drive is busy with the
+    store's reads (their threads, interrupts and DMA share the cores and the memory bus: on
+    the 2-core development VM, compute beside O_DIRECT reads at depth took 1.5-1.8x as long as
+    alone), applied in proportion to the share of the layer's time the modelled drive was
+    busy: ``seconds x (1 + io_slowdown x busy)``.  :func:`calibrate` measures it beside real
+    O_DIRECT reads of a file when given one."""
 
     fixed_s: float = 0.0
     per_byte_s: float = 0.0
     per_byte_row_s: float = 0.0
+    io_slowdown: float = 0.0
 
-    def seconds(self, nbytes: Sequence[int], rows: Sequence[int]) -> float:
+    def seconds(self, nbytes: Sequence[int], rows: Sequence[int], busy: float = 0.0) -> float:
         t = self.fixed_s
         for b, r in zip(nbytes, rows, strict=True):
             t += (self.per_byte_s + self.per_byte_row_s * max(r, 1)) * b
-        return t
+        return t * (1.0 + self.io_slowdown * min(1.0, max(0.0, busy)))
 
     @property
     def label(self) -> str:
         if self.per_byte_s == 0 and self.per_byte_row_s == 0:
-            return f"const:{1e3 * self.fixed_s:.6g}"
-        return (f"linear:{1e3 * self.fixed_s:.6g},{1e3 * self.per_byte_s * 2**20:.6g},"
-                f"{1e3 * self.per_byte_row_s * 2**20:.6g}")
+            text = f"const:{1e3 * self.fixed_s:.6g}"
+        else:
+            text = (f"linear:{1e3 * self.fixed_s:.6g},{1e3 * self.per_byte_s * 2**20:.6g},"
+                    f"{1e3 * self.per_byte_row_s * 2**20:.6g}")
+        return text + (f",io:{self.io_slowdown:.4g}" if self.io_slowdown else "")
 
 
 @dataclass(frozen=True)
@@ -120,10 +130,21 @@ def parse_compute(text: str) -> ComputeSpec:
 
 def parse_compute_model(text: str) -> ComputeModel | None:
     """``--compute-model``: ``const:MS`` (every layer), ``linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW``
-    (:class:`ComputeModel`, per MiB of routed expert bytes), or ``calibrate`` (``None``: measure
-    it here with :func:`calibrate`); an argparse type."""
+    (:class:`ComputeModel`, per MiB of routed expert bytes), either followed by ``,io:X`` (its
+    ``io_slowdown``), or ``calibrate`` (``None``: measure it here with :func:`calibrate`); an
+    argparse type."""
     if text == "calibrate":
         return None
+    io = 0.0
+    head, sep, io_text = text.rpartition(",io:")
+    if sep:
+        try:
+            io = float(io_text)
+        except ValueError:
+            io = float("nan")
+        if not (io == io and 0 <= io < float("inf")):
+            raise argparse.ArgumentTypeError(f"{text!r}: io:X must be a number >= 0")
+        text = head
     kind, _, rest = text.partition(":")
     try:
         values = [float(v) for v in rest.split(",")] if rest else []
@@ -131,58 +152,152 @@ def parse_compute_model(text: str) -> ComputeModel | None:
         values = []
     if all(v == v and 0 <= v < float("inf") for v in values):
         if kind == "const" and len(values) == 1:
-            return ComputeModel(fixed_s=values[0] / 1e3)
+            return ComputeModel(fixed_s=values[0] / 1e3, io_slowdown=io)
         if kind == "linear" and len(values) == 3:
-            return ComputeModel(values[0] / 1e3, values[1] / 1e3 / 2**20, values[2] / 1e3 / 2**20)
+            return ComputeModel(values[0] / 1e3, values[1] / 1e3 / 2**20, values[2] / 1e3 / 2**20, io)
     raise argparse.ArgumentTypeError(f"{text!r} is not calibrate, const:MS or "
-                                     f"linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW (numbers >= 0)")
+                                     f"linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW (numbers >= 0), "
+                                     f"each optionally followed by ,io:X")
 
 
 CALIBRATION_ROWS = 16
 """Rows per expert of the calibration's multi-row case (a prefill batch's order of size)."""
 CALIBRATION_REPS = 7
 """Timed repetitions per case (median), after one untimed warm-up."""
+CALIBRATION_SPAN = 96 << 20
+"""Bytes of distinct experts the calibration cycles through, so that every layer computes on
+weights the CPU caches do not hold, as an engine's freshly read experts are: well above the
+development VM's 32 MiB L3 (AMD EPYC).  Measured there, 576 KiB bf16 experts: the same 8
+experts over and over computed in 19 ms a token, freshly read ones in the real-I/O replay in
+27-31 ms."""
 
 
-def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16") -> ComputeModel:
+CONTENTION_WINDOW_S = 0.3
+"""Seconds each arm of the contention calibration computes for (three interleaved pairs)."""
+
+
+def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16",
+              contend: str | None = None, contend_depth: int = 8) -> ComputeModel:
     """:class:`ComputeModel` of the real numpy compute (:meth:`Compute.run_layer`, one BLAS
     thread) on this machine, for experts of ``gate``/``up`` ``[intermediate, hidden]`` in
     ``dtype``: medians of one expert on one row, ``k`` experts on one row and ``k`` experts on
-    :data:`CALIBRATION_ROWS` rows each, solved for the fixed, per-byte and per-byte-row terms."""
+    :data:`CALIBRATION_ROWS` rows each, solved for the fixed, per-byte and per-byte-row terms.
+    Each repetition takes the next experts of a pool of :data:`CALIBRATION_SPAN` bytes (cold
+    in the CPU caches).  ``contend``: a file on the drive, read with O_DIRECT by
+    ``contend_depth`` threads (an expert's size a read, random offsets, as the store's
+    misses are) while ``k`` experts on one row are timed again: the ratio, less one, is
+    :attr:`ComputeModel.io_slowdown`."""
     import importlib
     import statistics
 
     ml_dtypes: Any = importlib.import_module("ml_dtypes")  # a dependency (bfloat16), untyped
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    nbytes = 3 * hidden * intermediate * np_dtype.itemsize
     rng = np.random.default_rng(0)
+    pool_bytes = rng.integers(0, 256, max(CALIBRATION_SPAN, 2 * k * nbytes), dtype=np.uint8)
+    # the demo checkpoint's values (tools/synth.py: sign and mantissa random, magnitude
+    # 2**-7 .. 2**-5): raw random bytes hold denormals, and values of other magnitudes were
+    # measured to compute up to 6x slower than the checkpoint's own, which is what is modelled
+    pool_bytes[1::2] = (pool_bytes[1::2] & 0x80) | 0x3C
+    n_experts = pool_bytes.size // nbytes
 
     class _View:
-        def __init__(self) -> None:
-            self.tensors = {
-                "gate_proj": rng.standard_normal((intermediate, hidden)).astype(np_dtype),
-                "up_proj": rng.standard_normal((intermediate, hidden)).astype(np_dtype),
-                "down_proj": rng.standard_normal((hidden, intermediate)).astype(np_dtype)}
+        def __init__(self, i: int) -> None:
+            raw = pool_bytes[i * nbytes:(i + 1) * nbytes].view(np_dtype)
+            gate_up = hidden * intermediate
+            self.tensors = {"gate_proj": raw[:gate_up].reshape(intermediate, hidden),
+                            "up_proj": raw[gate_up:2 * gate_up].reshape(intermediate, hidden),
+                            "down_proj": raw[2 * gate_up:].reshape(hidden, intermediate)}
 
-    views = [_View() for _ in range(k)]
-    nbytes = 3 * hidden * intermediate * np_dtype.itemsize
+    views = [_View(i) for i in range(n_experts)]
     engine = Compute(NUMPY, "loop")
+    cursor = 0
     try:
-        def median(n: int, rows: int) -> float:
-            engine.run_layer(views[:n], [rows] * n)  # type: ignore[arg-type]  # duck-typed views
-            times = []
-            for _ in range(CALIBRATION_REPS):
+        def median(n: int, rows: int, at_least_s: float = 0.0) -> float:
+            nonlocal cursor
+            times: list[float] = []
+            start = time.perf_counter()
+            rep = 0
+            while rep <= CALIBRATION_REPS or time.perf_counter() - start < at_least_s:
+                rep += 1
+                if cursor + n > n_experts:
+                    cursor = 0
+                batch = views[cursor:cursor + n]
+                cursor += n
                 t0 = time.perf_counter()
-                engine.run_layer(views[:n], [rows] * n)  # type: ignore[arg-type]
-                times.append(time.perf_counter() - t0)
+                engine.run_layer(batch, [rows] * n)  # type: ignore[arg-type]  # duck-typed views
+                if rep > 1:  # the first is the warm-up
+                    times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
+        median(k, CALIBRATION_ROWS)  # warm-up: the workspace, BLAS's buffers, the pool's pages
         t1, tk, tkr = median(1, 1), median(k, 1), median(k, CALIBRATION_ROWS)
+        io_slowdown = 0.0
+        if contend is not None:  # interleaved, long enough for the readers' scheduling to show
+            ratios = []
+            for _ in range(3):
+                alone = median(k, 1, CONTENTION_WINDOW_S)
+                with _DirectReaders(contend, nbytes, contend_depth):
+                    ratios.append(median(k, 1, CONTENTION_WINDOW_S) / alone)
+            io_slowdown = max(0.0, statistics.median(ratios) - 1.0)
     finally:
         engine.close()
     per_expert_1 = max(0.0, (tk - t1) / max(k - 1, 1))  # (a + b) x bytes
     fixed = max(0.0, t1 - per_expert_1)
     per_row = max(0.0, (tkr - tk) / (k * (CALIBRATION_ROWS - 1)))  # b x bytes
-    return ComputeModel(fixed, max(0.0, per_expert_1 - per_row) / nbytes, per_row / nbytes)
+    return ComputeModel(fixed, max(0.0, per_expert_1 - per_row) / nbytes, per_row / nbytes, io_slowdown)
+
+
+class _DirectReaders:
+    """``depth`` threads reading ``path`` with O_DIRECT, ``nbytes`` (rounded up to 4 KiB) a
+    read at random aligned offsets, until the block ends: the drive as busy as the store's
+    misses keep it.  Written by hand: fio would be the reference, but it is not always
+    installed and its start-up would sit inside the timed window."""
+
+    ALIGN = 4096
+
+    def __init__(self, path: str, nbytes: int, depth: int) -> None:
+        import threading
+
+        self._path, self._depth = path, max(1, depth)
+        self._length = -(-nbytes // self.ALIGN) * self.ALIGN
+        self._stop = threading.Event()
+        self._threads: list[Any] = []
+        self.reads = 0
+
+    def _run(self, seed: int) -> None:
+        import mmap
+        import random
+
+        rng = random.Random(seed)
+        fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        buf = mmap.mmap(-1, self._length)
+        try:
+            slots = max(1, (os.fstat(fd).st_size - self._length) // self.ALIGN)
+            while not self._stop.is_set():
+                os.preadv(fd, [buf], rng.randrange(slots) * self.ALIGN)
+                self.reads += 1
+        finally:
+            buf.close()
+            os.close(fd)
+
+    def __enter__(self) -> _DirectReaders:
+        import threading
+
+        try:
+            os.close(os.open(self._path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+        except OSError as exc:
+            raise StoreError(f"{self._path}: cannot read it with O_DIRECT to calibrate: {exc.strerror or exc}") from exc
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self._depth)]
+        for t in self._threads:
+            t.start()
+        time.sleep(0.05)  # the queue fills
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
 
 
 def limit_blas_threads(n: int = BLAS_THREADS) -> int | None:
@@ -203,8 +318,26 @@ def limit_blas_threads(n: int = BLAS_THREADS) -> int | None:
     return None
 
 
-def _as_float(t: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-    return t if t.dtype == np.float32 else t.astype(np.float32)
+Workspace = dict[tuple[int, ...], list[npt.NDArray[np.float32]]]
+"""Upcast buffers by tensor shape (:func:`_as_float`)."""
+
+
+def _as_float(t: npt.NDArray[Any], workspace: Workspace | None = None, slot: int = 0) -> npt.NDArray[np.float32]:
+    """``t`` as ``float32``: itself, or an upcast into the ``workspace`` buffer of its shape
+    (slot ``slot``), or a new array without one.  Why a workspace: a fresh 1 MiB upcast per
+    tensor goes to ``mmap`` and back on every layer in a process whose allocator has just
+    trimmed its heap, and its page faults then cost more than the upcast (measured on the
+    development VM, 576 KiB bf16 experts: 0.27 ms against 0.025 ms an expert); engines keep
+    such buffers."""
+    if t.dtype == np.float32:
+        return t
+    if workspace is None:
+        return t.astype(np.float32)
+    bufs = workspace.setdefault(t.shape, [])
+    while len(bufs) <= slot:
+        bufs.append(np.empty(t.shape, dtype=np.float32))
+    np.copyto(bufs[slot], t, casting="unsafe")
+    return bufs[slot]
 
 
 def is_float_layout(tensors: Any) -> bool:
@@ -216,10 +349,11 @@ def is_float_layout(tensors: Any) -> bool:
     return True
 
 
-def expert_mlp(tensors: Any, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+def expert_mlp(tensors: Any, x: npt.NDArray[np.float32],
+               workspace: Workspace | None = None) -> npt.NDArray[np.float32]:
     """``down · (silu(gate · x) ⊙ up · x)`` for ``x`` of shape ``[rows, hidden]`` (Hugging Face
     layout: ``gate``/``up`` are ``[intermediate, hidden]``, ``down`` ``[hidden, intermediate]``)."""
-    gate, up, down = (_as_float(tensors[r]) for r in ROLES)
+    gate, up, down = (_as_float(tensors[r], workspace, slot) for slot, r in enumerate(ROLES))
     h = x @ gate.T
     with np.errstate(over="ignore"):  # exp(-h) overflows to inf for very negative h: silu -> -0
         h *= 1.0 / (1.0 + np.exp(-h))
@@ -252,10 +386,25 @@ class Compute:
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="compute")
                       if spec.kind == "numpy" and on == "thread" else None)
         self._x: dict[int, npt.NDArray[np.float32]] = {}
+        self._workspace: Workspace = {}
+        self.drive_busy: Callable[[], float] | None = None
+        """Model compute: the drive's busy seconds so far (the modelled drive's transfer
+        time), whose share of the time since the previous layer scales
+        :attr:`ComputeModel.io_slowdown`; ``None``: the drive counts as idle."""
+        self._busy_mark = (0.0, 0.0)
+        self.pollute = spec.kind == "model"
+        """Model compute on virtual time: read as many bytes as the layer's experts hold from
+        a buffer larger than the CPU caches (off the virtual clock), so that the store's
+        Python after it runs on caches as cold as the real compute leaves them."""
+        self._cold: npt.NDArray[np.uint64] | None = None
+        self.off_clock_cpu_s = 0.0
+        """CPU time of those sweeps (the engine loop leaves it out of its CPU per token)."""
+        self._cold_at = 0
+        """Upcast buffers by tensor shape, reused by every layer (:func:`_as_float`)."""
 
     @property
     def label(self) -> str:
-        return self.spec.label + (f" on {self.on}" if self.spec.kind == "numpy" else "")
+        return self.spec.label + (f" on {self.on}" if self.spec.kind in ("numpy", "model") else "")
 
     def _input(self, hidden: int, rows: int) -> npt.NDArray[np.float32]:
         x = self._x.get(hidden)
@@ -276,7 +425,7 @@ class Compute:
                 self.fallbacks.add(", ".join(sorted({str(t.dtype) for t in tensors.values()})))
                 total += _fallback(tensors)
                 continue
-            y = expert_mlp(tensors, self._input(tensors["gate_proj"].shape[1], max(n, 1)))
+            y = expert_mlp(tensors, self._input(tensors["gate_proj"].shape[1], max(n, 1)), self._workspace)
             if out is None:
                 out = y
             elif out.shape[0] >= y.shape[0]:  # the combine: each expert's rows onto their tokens'
@@ -297,12 +446,42 @@ class Compute:
             self.seconds += clock.now() - t0
         elif self.spec.kind == "model" and self.spec.model is not None:
             t0 = clock.now()
-            await asyncio.sleep(self.spec.model.seconds([v.data.nbytes for v in views], rows))
+            busy = 0.0
+            if self.drive_busy is not None:
+                now, busy_s = clock.now(), self.drive_busy()
+                mark_t, mark_busy = self._busy_mark
+                if now > mark_t:
+                    busy = (busy_s - mark_busy) / (now - mark_t)
+                self._busy_mark = (now, busy_s)
+            sizes = [v.data.nbytes for v in views]
+            seconds = self.spec.model.seconds(sizes, rows, busy)
+            virtual = clock.running_virtual_loop()
+            if virtual is not None and self.pollute:
+                with virtual.uncharged():
+                    c0 = time.thread_time()
+                    self._sweep(sum(sizes))
+                    self.off_clock_cpu_s += time.thread_time() - c0
+            if self.on == "thread":  # elsewhere: the loop runs the store meanwhile
+                await asyncio.sleep(seconds)
+            else:  # on the loop: nothing else runs until it is done
+                if virtual is not None:
+                    virtual.advance(seconds)
+                else:
+                    time.sleep(seconds)
             self.seconds += clock.now() - t0
         elif self._pool is not None:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.run_layer, views, rows)
         else:
             self.run_layer(views, rows)
+
+    def _sweep(self, nbytes: int) -> None:
+        if self._cold is None:
+            self._cold = np.ones(CALIBRATION_SPAN // 8, dtype=np.uint64)
+        words = min(self._cold.size, max(1, nbytes // 8))
+        if self._cold_at + words > self._cold.size:
+            self._cold_at = 0
+        self._cold[self._cold_at:self._cold_at + words].sum()
+        self._cold_at += words
 
     def close(self) -> None:
         if self._pool is not None:
@@ -310,5 +489,5 @@ class Compute:
             self._pool = None
 
     def describe(self) -> dict[str, Any]:
-        return {"compute": self.spec.label, "compute_on": self.on if self.spec.kind == "numpy" else None,
+        return {"compute": self.spec.label, "compute_on": self.on if self.spec.kind in ("numpy", "model") else None,
                 "blas_threads": self.blas_threads, "compute_fallbacks": sorted(self.fallbacks)}

@@ -21,9 +21,22 @@ Two things are modelled, because they are not the store:
 
 The store's and the policy's CPU are *measured*: the loop's clock runs on with the real time
 Python spends on it (``charge_cpu``; ``--cpu free`` makes CPU cost nothing, and then the same
-inputs give the same numbers to the last digit).  What the compute does to the CPU beside the
-store (two cores shared by BLAS, reader threads and the loop) is not modelled: the engine's
-compute is assumed to run elsewhere (a GPU, or cores of its own).
+inputs give the same numbers to the last digit, but for the measured CPU columns).  Three
+effects of a real engine on the CPU are modelled, each measured on this machine:
+
+* where the compute runs (``--compute-on``): ``loop`` holds the event loop for the layer's
+  modelled time (:meth:`iosched.clock.VirtualTimeLoop.advance`: nothing else runs), as the
+  README's engine does; ``thread`` sleeps, so the store's batch-end work and completions run
+  meanwhile, as with compute elsewhere (a GPU, or cores of its own).  On a 2-core machine a
+  compute thread also fights the loop for the GIL and the cores, which is *not* modelled:
+  validate with ``loop`` there (docs/benchmarks.md);
+* the reads' cost to the compute: :attr:`~iosched.tools.compute.ComputeModel.io_slowdown`,
+  calibrated beside real O_DIRECT reads of the probe's file, scaled by the modelled drive's
+  busy share; and the reads' cost to the loop: ``read_cpu`` per read
+  (:func:`read_overhead`: the loop thread's CPU per real read, less the modelled one's);
+* the compute's cost to the store's Python: each modelled layer reads as many bytes as its
+  experts hold from a buffer larger than the caches (off the clock), so the policy after it
+  runs on caches as cold as real compute leaves them.
 
 The checkpoint is the real-I/O replay's (same tensor names, shapes and files, ``--scale``)
 written sparse (``tools/synth.py`` writes real bytes; a sparse file holds the same index
@@ -52,7 +65,7 @@ from iosched.backends.modelled import DriveModel, ModelledBackend
 
 from . import demo, engine_replay
 from ._replay_policies import HANDWRITTEN
-from .compute import Compute, ComputeModel, ComputeSpec, calibrate
+from .compute import DEFAULT_COMPUTE_ON, Compute, ComputeModel, ComputeSpec, calibrate
 from .trace import RouteTrace
 
 SPARSE_VERSION = 1
@@ -138,7 +151,95 @@ def drive_from_probe(path: str, drive: str | None = None) -> tuple[float, float,
     if not bw > 0:
         raise StoreError(f"--drive {path}: drive {name!r} probed at {p['mbps']} MB/s")
     return bw, max(0.0, one - bs / bw), {"drive": name, "probe_mbps": p["mbps"], "probe_qd": p.get("qd"),
-                                         "probe_qd1_p50_ms": p["qd1"]["p50_ms"], "probe_bs": bs}
+                                         "probe_qd1_p50_ms": p["qd1"]["p50_ms"], "probe_bs": bs,
+                                         "probe_file": p.get("file")}
+
+
+READ_OVERHEAD_READS = 256
+"""Reads timed by :func:`read_overhead` (of the expert's size, from the page cache)."""
+
+
+def read_overhead(path: str, nbytes: int, backend: str = "pread", reads: int = READ_OVERHEAD_READS) -> float:
+    """Seconds of the event loop's thread per read through a real backend (``backend``, on
+    ``path``), beyond the modelled backend's own: the loop thread's CPU time over
+    ``reads`` sequential reads of ``nbytes`` that the page cache serves (so the drive's time
+    is left out: a worker thread's copy is not the loop's), less the same for
+    :class:`ModelledBackend` reads of no time.  The part of a real read the modelled drive
+    does not cost: handing it to a worker, the wake-up, the future's completion."""
+    import asyncio
+    import mmap
+    import time
+
+    from iosched.backends import create
+
+    size = os.path.getsize(path)
+    nbytes = max(4096, min(nbytes, size) // 4096 * 4096)
+
+    async def timed(be: Any) -> float:
+        be.open([path])
+        buf = mmap.mmap(-1, nbytes)
+        view = memoryview(buf)
+        try:
+            for _ in range(8):
+                await be.read(0, 0, nbytes, view)  # warm: the page cache, the pool's threads
+            t0 = time.thread_time()
+            for _ in range(reads):
+                await be.read(0, 0, nbytes, view)
+            return (time.thread_time() - t0) / reads
+        finally:
+            view.release()
+            buf.close()
+            be.close()
+
+    async def both() -> float:
+        real = await timed(create(backend))
+        modelled = await timed(ModelledBackend(DriveModel(bandwidth=1e18, latency=0.0)))
+        return max(0.0, real - modelled)
+
+    return asyncio.run(both())
+
+
+CPU_SCALE_WINDOW_S = 0.4
+"""Seconds each arm of :func:`cpu_scale` runs the hit path for (three interleaved pairs)."""
+
+
+def cpu_scale(folder: Path, policy: str, k: int, contend: str, nbytes: int, depth: int) -> float:
+    """How much slower the store's Python runs beside real reads than alone: the store on
+    ``folder`` (the modelled drive, everything resident), ``acquire_many`` of ``k`` experts
+    layer after layer under ``policy`` (its hit path and batch-end work), timed alone and
+    beside ``depth`` threads of O_DIRECT reads of ``contend`` (their completions take the
+    GIL and a core, as a real backend's do), three interleaved pairs, the median ratio."""
+    import asyncio
+    import statistics
+    import time
+
+    from .compute import _DirectReaders
+
+    async def main() -> float:
+        async with await ExpertStore.open(folder, budget_bytes=1 << 40, policy=policy, experts_per_token=k,
+                                          backend=ModelledBackend(DriveModel(1e18, 0.0))) as store:
+            layers = sorted(store.index.expert_bytes_by_layer())
+            batches = [[(layer, e) for e in range(k)] for layer in layers]
+            for keys in batches:
+                async with store.acquire_many(keys):
+                    pass
+
+            async def window() -> float:
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < CPU_SCALE_WINDOW_S:
+                    async with store.acquire_many(batches[n % len(batches)]):
+                        await asyncio.sleep(0)  # the batch-end work runs here
+                    n += 1
+                return (time.perf_counter() - t0) / n
+
+            ratios = []
+            for _ in range(3):
+                alone = await window()
+                with _DirectReaders(contend, nbytes, depth):
+                    ratios.append(await window() / alone)
+            return max(1.0, statistics.median(ratios))
+
+    return asyncio.run(main())
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -151,15 +252,16 @@ def _percentile(values: Sequence[float], q: float) -> float:
 async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, budget: int,
                    model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
                    max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
-                   routing: bool) -> dict[str, Any]:
+                   routing: bool, compute_on: str, read_cpu: float) -> dict[str, Any]:
     loop = clock.running_virtual_loop()
     if loop is None:
         raise StoreError("the critical-path replay runs on iosched.clock.VirtualTimeLoop")
     drive = DriveModel(bandwidth, latency)
-    engine = Compute(ComputeSpec("model", model=model))
-    async with await ExpertStore.open(folder, budget_bytes=budget, backend=ModelledBackend(drive),
-                                      policy=policy, experts_per_token=trace.k,
-                                      queue_depth=queue_depth) as store:
+    engine = Compute(ComputeSpec("model", model=model), compute_on)
+    engine.drive_busy = lambda: drive.busy_s
+    backend = ModelledBackend(drive, cpu_per_read=read_cpu)
+    async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend, policy=policy,
+                                      experts_per_token=trace.k, queue_depth=queue_depth) as store:
         loop.skipping = True
         loop.executor_calls = 0
         t0 = clock.now()
@@ -193,9 +295,13 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                          latency: float = DEFAULT_DRIVE_LATENCY_US / 1e6, drive_facts: dict[str, Any] | None = None,
                          queue_depth: int | None = None, charge_cpu: bool = True, max_tokens: int | None = None,
                          folder: Path | None = None, scale: int = demo.SCALE,
-                         on_run: Callable[[str], None] | None = None, routing: bool = True) -> dict[str, Any]:
+                         on_run: Callable[[str], None] | None = None, routing: bool = True,
+                         compute_on: str = DEFAULT_COMPUTE_ON, read_cpu: float | None = None,
+                         backend: str = "odirect") -> dict[str, Any]:
     """Every policy at every budget, each run on a fresh virtual-time loop (module docstring).
-    ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`)."""
+    ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`).
+    ``read_cpu``: the loop's CPU per read a real backend costs beyond the model; ``None``
+    measures ``backend``'s on the probe's file (:func:`read_overhead`), 0 without one."""
     engine_replay.reject_offline(policies, "on the critical path (it runs the store)")
     if HANDWRITTEN in policies:
         raise StoreError("--policy handwritten runs with real reads only (its thread pool of preads "
@@ -210,9 +316,19 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
     expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
     td = trace.k * sum(by_layer.values())
     calibrated = compute_model is None
+    contend = (drive_facts or {}).get("probe_file")
+    if contend is not None and not os.path.isfile(contend):
+        contend = None
+    read_cpu_measured = read_cpu is None
+    if read_cpu is None:
+        read_cpu = read_overhead(contend, max(by_layer.values()), backend) if contend is not None else 0.0
     if compute_model is None:
         hidden, inter = demo.REAL_HIDDEN // scale, demo.REAL_INTERMEDIATE // scale
-        compute_model = calibrate(hidden, inter, trace.k)
+        compute_model = calibrate(hidden, inter, trace.k, contend=contend,
+                                  contend_depth=int((drive_facts or {}).get("probe_qd") or 8))
+    depth = int((drive_facts or {}).get("probe_qd") or 8)
+    scales = {name: (cpu_scale(ckpt, name, trace.k, contend, max(by_layer.values()), depth)
+                     if contend is not None and charge_cpu else 1.0) for name in policies}
     results: list[dict[str, Any]] = []
     for c in cycles:
         budget = max(1, int(c * td))
@@ -221,12 +337,16 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles")
             results.append(clock.run(_one_run(
                 ckpt, trace, name, c, budget, compute_model, bandwidth, latency, queue_depth,
-                max_tokens, expert_bytes, layer_map, routing), charge_cpu=charge_cpu))
+                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu),
+                charge_cpu=charge_cpu, cpu_scale=scales[name]))
     return {
         "trace": label, "mode": "critical-path", "k": trace.k, "td_bytes": td,
         "trace_td_bytes": trace.td_bytes, "results": results, "checkpoint": str(ckpt),
         "source": trace.source, "model": trace.model, "arch": trace.arch,
-        "compute": compute_model.label, "compute_calibrated": calibrated,
+        "compute": compute_model.label, "compute_calibrated": calibrated, "compute_on": compute_on,
+        "compute_io_calibrated_on": contend if calibrated else None,
+        "cpu_scale": scales,
+        "read_cpu_us": 1e6 * read_cpu, "read_cpu_measured_with": backend if read_cpu_measured and contend else None,
         "drive_mbps": bandwidth / 1e6, "drive_latency_us": latency * 1e6, "drive_probe": drive_facts,
         "queue_depth": queue_depth, "cpu": "measured" if charge_cpu else "free",
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
@@ -241,7 +361,7 @@ def critical_table(out: dict[str, Any]) -> Any:
 
     table = Table(title=f"iosched replay {out['trace']} --critical-path (virtual time: drive "
                         f"{out['drive_mbps']:.0f} MB/s + {out['drive_latency_us']:.0f} µs, "
-                        f"compute {out['compute']}, CPU {out['cpu']})")
+                        f"compute {out['compute']} on {out['compute_on']}, CPU {out['cpu']})")
     for col in ("policy", "TD", "tokens/s", "felt ms/tok p50", "p99", "other ms/tok",
                 "GB demand", "GB prefetch", "precision", "coverage", "CPU ms/tok"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)

@@ -239,7 +239,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
         decode_start = clock.now()
     token_felt: list[float] = []
     felt_mark = 0.0
-    cpu_start = time.thread_time()
+    cpu_start = time.thread_time() - compute.off_clock_cpu_s
     dec_req = dec_hits = all_req = all_hits = req_bytes = hit_bytes = 0
     was_decode = False
     for batch, (phase, tok, layer, experts) in enumerate(trace.batches()):
@@ -253,7 +253,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
             felt_now = store.request_tally.felt_wait_s
             if token < 0:
                 decode_start = clock.now()
-                cpu_start = time.thread_time()
+                cpu_start = time.thread_time() - compute.off_clock_cpu_s
                 decode_felt_start = store.stats()["felt_wait_s"]
                 compute_start = compute.seconds
             else:
@@ -287,7 +287,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
             dec_req += n
             dec_hits += h
     decode_seconds = clock.now() - decode_start
-    decode_cpu = time.thread_time() - cpu_start
+    decode_cpu = time.thread_time() - compute.off_clock_cpu_s - cpu_start
     if tokens:
         token_felt.append(store.request_tally.felt_wait_s - felt_mark)
     return EngineRun(

@@ -756,6 +756,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", choices=("measured", "free"), default="measured",
                    help="critical path: charge the store's and the policy's real CPU time to the "
                         "virtual clock (measured, default) or not (free: same inputs, same numbers)")
+    p.add_argument("--read-cpu-us", type=_command.non_negative_float, default=None, metavar="US",
+                   help="critical path: the event loop's CPU per read a real backend costs beyond the "
+                        "model (default: measured with --backend, odirect unless given, on --drive's "
+                        "probe file; 0 without --drive)")
     p.add_argument("--queue-depth", type=_command.positive_int, default=None, metavar="N",
                    help="critical path: the store's queue_depth (default the store's)")
     p.add_argument("--cycles", default=DEFAULT_CYCLES,
@@ -904,7 +908,9 @@ def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
             trace, args.trace, cycles, policies, compute_model=args.compute_model, bandwidth=bandwidth,
             latency=latency, drive_facts=facts, queue_depth=args.queue_depth, charge_cpu=args.cpu == "measured",
             max_tokens=args.tokens, scale=args.scale, on_run=on_run,
-            routing=not getattr(args, "keys_only", False))
+            routing=not getattr(args, "keys_only", False), compute_on=args.compute_on,
+            read_cpu=None if args.read_cpu_us is None else args.read_cpu_us / 1e6,
+            backend="odirect" if args.backend == "auto" else args.backend)
     if not args.json:
         _print_table(critical_path.critical_table(out))
     return out
