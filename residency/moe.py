@@ -719,7 +719,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             return None
         nxt = (self._cursor() + 1) % self._L
         counts = self._count[nxt] + 1.0  # one pseudo-pick each: an unseen expert is possible
-        return self._coact.predict(self._cursor(), picks, self._k, counts / counts.sum())
+        return self._coact.predict(self._cursor(), picks, self._k, counts / np.add.reduce(counts))
 
     def _predicted_values(self) -> F64 | None:
         """Density of the next layer's experts: routed at the next visit (one layer step
