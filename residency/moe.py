@@ -322,7 +322,14 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """Between batches (the store calls it while the engine computes): rank the victims
         for the coming batch, the next layer's, so that its first miss does not pay for the
         sort on the engine's critical path.  The layer visited next is the cursor's successor
-        (every token visits the layers in order); if another comes, ``victims`` re-ranks."""
+        (every token visits the layers in order); if another comes, ``victims`` re-ranks.
+
+        While the coming batch's ``k`` misses fit beside the held bytes it will likely evict
+        nothing, so the ranking is deferred (:meth:`_settle` does it before the first walk
+        or change of what it ranks, on the same state, so the order is the one ranking now
+        would give): an all-hit batch then pays nothing for it (``iosched hitpath``: the
+        batch-end work fell from ~190 to ~40 us, docs/residency-notebook.md, "Cutting the
+        default's CPU")."""
         if self._shape is None or self._batch:
             return
         cursor = (self._cursor() + 1) % self._L
