@@ -10,8 +10,9 @@ the ledger's emptiness for it.
 policy's.  After an ``acquire_many`` holds its leases (the engine computes on that layer
 now), the policy's batch-end work is scheduled for the engine's next await: learning,
 predicting the next layer, issuing what it proposes and ranking the next batch's victims
-(``prepare``) cost a few hundred microseconds per batch, and the engine should be computing
-meanwhile.  If the next batch begins first, the work is skipped: the policy closes that
+(``prepare``) cost ~60 µs per batch of hits on the 2-core VM (``iosched hitpath``, more when
+the batch's misses evict: docs/residency-notebook.md, "Cutting the default's CPU"), and the
+engine should be computing meanwhile.  If the next batch begins first, the work is skipped: the policy closes that
 batch itself, and prefetches for the layer already requested would come too late.
 
 What a prefetch may use: within the per-token byte budget (``token_budget_bytes``), the

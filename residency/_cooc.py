@@ -54,17 +54,27 @@ class CoActivation:
         next, one ``(pos, picks, next_picks)`` each (one scatter-add for them all)."""
         if self.counts is None or not pairs:
             return
-        pos, rows, cols = [], [], []
-        for p, picks, nxt in pairs:
-            for i in picks:
-                for j in nxt:
-                    pos.append(p)
-                    rows.append(i)
-                    cols.append(j)
-        np.add.at(self.counts, (np.asarray(pos), np.asarray(rows), np.asarray(cols)), 1.0)
-        ppos = [p for p, picks, nxt in pairs if nxt for _ in picks]
-        pick = [i for p, picks, nxt in pairs if nxt for i in picks]
-        np.add.at(self.picks, (np.asarray(ppos), np.asarray(pick)), 1.0)
+        # Flat cell numbers into the tables (C-contiguous, so reshape is a view), built per
+        # group of pairs of one shape (a decode token's are all k x k) with numpy: the same
+        # cells, each += 1 as often as a three-index add.at of the nested loops would add it,
+        # and the order of equal increments changes no sum.
+        E = self.n_expert
+        groups: dict[tuple[int, int], list[tuple[int, Sequence[int], Sequence[int]]]] = {}
+        for pair in pairs:
+            groups.setdefault((len(pair[1]), len(pair[2])), []).append(pair)
+        cells, picked = [], []
+        for (n_picks, n_next), group in groups.items():
+            if not n_picks or not n_next:
+                continue
+            pos = np.array([p for p, _, _ in group], dtype=np.intp)
+            rows = np.array([picks for _, picks, _ in group], dtype=np.intp).reshape(len(group), n_picks)
+            cols = np.array([nxt for _, _, nxt in group], dtype=np.intp).reshape(len(group), n_next)
+            first = pos[:, None] * E + rows
+            cells.append((first[:, :, None] * E + cols[:, None, :]).ravel())
+            picked.append(first.ravel())
+        if cells:
+            np.add.at(self.counts.reshape(-1), np.concatenate(cells), np.float32(1.0))
+            np.add.at(self.picks.reshape(-1), np.concatenate(picked), 1.0)
 
     def learn_rows(self, pos: int, rows: npt.NDArray[np.int64], next_rows: npt.NDArray[np.int64]) -> None:
         """Row ``t`` of ``rows`` (the experts token ``t`` routed at layer position ``pos``,
@@ -88,9 +98,13 @@ class CoActivation:
             return None
         idx = np.asarray(picks)
         seen = self.picks[pos, idx]
-        if not seen.any():
+        if not np.count_nonzero(seen):
             return None
         rows = self.counts[pos][idx].astype(np.float64)
         cond = (rows + k * popularity[None, :]) / (seen[:, None] + 1.0)
-        out: F64 = np.minimum(cond.mean(axis=0), 1.0)
+        # the mean over the picks, as ndarray.mean computes it (a sum, then a division by
+        # the count) without its Python wrapper
+        mean = np.add.reduce(cond, axis=0)
+        np.true_divide(mean, len(idx), out=mean)
+        out: F64 = np.minimum(mean, 1.0)
         return out

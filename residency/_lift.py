@@ -43,7 +43,10 @@ BINS = 2 * _HALF_STEPS + 1
 
 
 def lift_bin(probs: F64) -> npt.NDArray[np.int64]:
-    """The bin of each expert's lift, its probability over the mean of its row (the layer)."""
+    """The bin of each expert's lift, its probability over the mean of its row (the layer).
+    Row by row: a stack of rows bins each exactly as it would alone (numpy's mean over the
+    last axis sums each row as it sums a lone one), which lets the policy bin a token
+    cycle's rows in one call."""
     mean = probs.mean(axis=-1, keepdims=True)
     lift = probs / np.where(mean > 0, mean, 1.0)
     bins = np.floor(2 * np.log2(np.maximum(lift, 1e-9))) + _HALF_STEPS
@@ -61,25 +64,34 @@ class ContextLift:
         self.observed = np.zeros(BINS)
         self.expected = np.zeros(BINS)
         self._bins = np.zeros((n_layers, n_expert), dtype=np.int64)
-        self._stale_bins = np.zeros((n_layers, n_expert), dtype=np.int64)
+        self._unbinned: set[int] = set()
+        """Layers whose ``current`` row is newer than its ``_bins`` row: binned when
+        :meth:`factor` first needs them (most predictions are never read that way)."""
         self._known = np.zeros(n_layers, dtype=bool)
-        """Layers with a prediction (their ``current`` row is set): binned once, when made."""
+        """Layers with a prediction (their ``current`` row is set)."""
 
     def predict(self, pos: int, probs: F64) -> None:
         """The co-activation predictor's probabilities for layer position ``pos``'s experts,
         made for this token's coming visit; the previous token's become the stale ones."""
         self.stale[pos] = self.current[pos]
-        self._stale_bins[pos] = self._bins[pos]
         self.current[pos] = probs
-        self._bins[pos] = lift_bin(probs)
+        self._unbinned.add(pos)
         self._known[pos] = True
 
     def stale_bins(self, pos: int) -> npt.NDArray[np.int64] | None:
         """The lift bins the previous token's prediction gave layer position ``pos``'s
         experts (what eviction used until this visit), or ``None`` before there is one."""
-        if np.isnan(self.stale[pos, 0]):
+        stale = self.stale_probs(pos)
+        return None if stale is None else lift_bin(stale)
+
+    def stale_probs(self, pos: int) -> F64 | None:
+        """The previous token's prediction for layer position ``pos`` (a copy), whose
+        :func:`lift_bin` is :meth:`stale_bins`; ``None`` before there is one.  The policy
+        keeps these and bins a token cycle's worth at once."""
+        first = float(self.stale[pos, 0])
+        if first != first:  # NaN: no prediction before the latest
             return None
-        out: npt.NDArray[np.int64] = self._stale_bins[pos].copy()
+        out: F64 = self.stale[pos].copy()
         return out
 
     def observe(self, bins: npt.NDArray[np.int64], expected: F64, routed: npt.NDArray[np.bool_]) -> None:
@@ -89,9 +101,13 @@ class ContextLift:
         self.expected += np.bincount(bins, weights=expected, minlength=BINS)
         self.observed += np.bincount(bins, weights=routed.astype(np.float64), minlength=BINS)
 
-    def factor(self, rows: int | slice) -> F64:
+    def factor(self, rows: int | slice | npt.NDArray[np.int64]) -> F64:
         """The multiplier of the class hit probability of the experts of ``rows`` (1 where
         no prediction was made yet)."""
+        if self._unbinned:
+            todo = sorted(self._unbinned)
+            self._unbinned.clear()
+            self._bins[todo] = lift_bin(self.current[todo])
         ratio = (self.observed + 1.0) / (self.expected + 1.0)
         known = self._known[rows]
         out: F64 = np.where(known[..., None] if np.ndim(known) else known, ratio[self._bins[rows]], 1.0)

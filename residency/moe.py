@@ -68,7 +68,7 @@ from iosched._errors import StoreError, require
 from . import _history
 from ._cooc import CoActivation
 from ._hazard import AGE_MAX, HazardTable, age_bin, count_bin
-from ._lift import ContextLift
+from ._lift import ContextLift, lift_bin
 from ._policy import (
     BatchAware,
     BudgetAware,
@@ -106,6 +106,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._width_setting = prefetch_width
         self._shape: ModelShape | None = None
         self._budget: int | None = None
+        self._where: dict[Key, tuple[int, int]] = {}
         if shape is not None:
             self.set_shape(shape)
 
@@ -124,7 +125,6 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._shape = shape
         self._layers = tuple(shape.layers)
         self._pos = {layer: i for i, layer in enumerate(self._layers)}
-        self._where: dict[Key, tuple[int, int]] = {}
         self._L = L = len(self._layers)
         self._E = E = shape.n_expert
         self._k = shape.experts_per_token
@@ -143,11 +143,12 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._lift = ContextLift(L, E)
         self._lam: F64 | None = None
         """The hazard table's per-visit use probabilities, as of the last rebuild."""
-        self._lift_observed: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], F64,
-                                        npt.NDArray[np.bool_]]] = []
+        self._lift_observed: list[tuple[F64, npt.NDArray[np.int64], F64, npt.NDArray[np.bool_]]] = []
+        """Per token visit: the stale prediction (binned in ``_learn``), ages, counts, routed."""
         self._pins = _history.Pins(L, E)
         self._batch_pos = -1
         self._batch: list[int] = []
+        self._batch_set: set[int] = set()
         self._prev: tuple[int, list[int]] | None = None
         self._prev_routed = False
         self._proposed: set[tuple[int, int]] = set()
@@ -170,6 +171,18 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         between batches (``prepare``, or a prefetch's victims) is stale once the next batch
         moves the cursor, even though no density changed."""
         self._in_order = np.zeros(L * E, dtype=bool)
+        self._deferred: tuple[int, int] | None = None
+        """A ``prepare`` not done yet, ``(version, cursor)``: done by :meth:`_settle` before
+        the first call that reads the order or changes what it ranks (exactly as if done
+        when asked), dropped unread once the version moves on."""
+        self._held = 0
+        """Bytes of the resident experts (as inserted): ``prepare`` defers its sort while
+        the next batch's misses fit beside them."""
+        self._held_of: dict[int, int] = {}
+        self._rows_all = False
+        self._rows_dirty: set[int] = set()
+        """Layer positions (or, ``_rows_all``, every one) whose class terms (``_num``,
+        ``_ext``) are out of date: computed by :meth:`_fresh_rows` when first read."""
         self._appended: list[int] = []
         self._next_value: F64 | None = None
         self._batches_since_rebuild = 0
@@ -187,14 +200,19 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
     # ------------------------------------------------------------------ the Policy protocol
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
-        pos, e = self._locate(key)
-        if pos != self._batch_pos or self._in_batch[pos, e]:
+        where = self._where.get(key)
+        pos, e = where if where is not None else self._locate(key)
+        if pos != self._batch_pos or e in self._batch_set:
             self._end_batch()
             self._batch_pos = pos
         self._batch.append(e)
+        self._batch_set.add(e)
         self._in_batch[pos, e] = True
-        self._proposed.discard((pos, e))
-        self._size[pos, e] = nbytes
+        if self._proposed:
+            self._proposed.discard((pos, e))
+        if self._size[pos, e] != nbytes:
+            self._settle()  # a deferred ranking reads the size it was asked with
+            self._size[pos, e] = nbytes
 
     def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return True
@@ -211,6 +229,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         return self._value(*self._locate(key)) > worst
 
     def on_insert(self, key: Key, nbytes: int) -> None:
+        self._settle()
         pos, e = self._locate(key)
         self._resident[pos, e] = True
         self._size[pos, e] = nbytes
@@ -218,13 +237,17 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             self._refresh()
             self._pending[pos, e] = self._value(pos, e)
         flat = pos * self._E + e
+        self._held += nbytes - self._held_of.get(flat, 0)
+        self._held_of[flat] = nbytes
         if self._in_order[flat]:
             self._version += 1  # back in after an eviction: its old rank is stale
         else:
             self._appended.append(flat)  # this batch's miss, or a prefetch (merged from the small list)
 
     def on_remove(self, key: Key) -> None:
+        self._settle()
         pos, e = self._locate(key)
+        self._held -= self._held_of.pop(pos * self._E + e, 0)
         self._resident[pos, e] = False
         self._pending[pos, e] = np.nan
         age = max(1, int(self._visits[pos] - self._last[pos, e]))
@@ -240,6 +263,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         evicted since are skipped; experts inserted since (this batch's misses, prefetches
         of the next layer) come from the small list or at the end.
         """
+        self._settle()
         self._refresh()
         if self._order_version != self._version or self._order_cursor != self._cursor():
             self._sort_victims(self._cursor())
@@ -282,6 +306,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         else by class) for :meth:`_next_layer_order`, cached under ``key``."""
         E = self._E
         nxt = (cursor + 1) % self._L
+        self._fresh_rows()
         if predicted is not None:
             vals = predicted
         else:
@@ -297,10 +322,37 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """Between batches (the store calls it while the engine computes): rank the victims
         for the coming batch, the next layer's, so that its first miss does not pay for the
         sort on the engine's critical path.  The layer visited next is the cursor's successor
-        (every token visits the layers in order); if another comes, ``victims`` re-ranks."""
+        (every token visits the layers in order); if another comes, ``victims`` re-ranks.
+
+        While the coming batch's ``k`` misses fit beside the held bytes it will likely evict
+        nothing, so the ranking is deferred (:meth:`_settle` does it before the first walk
+        or change of what it ranks, on the same state, so the order is the one ranking now
+        would give): an all-hit batch then pays nothing for it (``iosched hitpath``: the
+        batch-end work fell from ~190 to ~40 us, docs/residency-notebook.md, "Cutting the
+        default's CPU")."""
         if self._shape is None or self._batch:
             return
         cursor = (self._cursor() + 1) % self._L
+        if (self._budget is not None and self._held
+                + self._k * self._shape.expert_bytes[self._layers[cursor]] <= self._budget):
+            # the coming batch's misses fit beside what is held: it will likely evict
+            # nothing, so rank only if something asks (exactly what ranking now would give)
+            self._deferred = (self._version, cursor)
+            return
+        self._deferred = None
+        self._prepare(cursor)
+
+    def _settle(self) -> None:
+        """Do the deferred ``prepare`` (if any, and still current) before anything reads the
+        order or changes what it ranks: the resident set, a size, a pending density.  Every
+        other change bumps the version, after which the deferred ranking is never read."""
+        deferred = self._deferred
+        if deferred is not None:
+            self._deferred = None
+            if deferred[0] == self._version:
+                self._prepare(deferred[1])
+
+    def _prepare(self, cursor: int) -> None:
         if self._order_version != self._version or self._order_cursor != cursor:
             self._sort_victims(cursor)
         # and the layer after it, as victims() will see it once the batch has begun: while a
@@ -317,6 +369,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         demo: 150 us per sort, 35 sorts per token)."""
         E = self._E
         nxt = (cursor + 1) % self._L
+        self._fresh_rows()
         idx = np.flatnonzero(self._resident)
         rows = idx // E
         idx = idx[rows != nxt]
@@ -369,10 +422,11 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._update_rows(nxt)
         out: list[Key] = []
         chance = self._k / self._E  # an expert drawn at random: a guess no better is not made
+        score, resident, width = scores.tolist(), self._resident[nxt], self._width
         for j in np.argsort(-scores, kind="stable").tolist():
-            if scores[j] <= chance or len(out) >= self._width:
+            if score[j] <= chance or len(out) >= width:
                 break
-            if not self._resident[nxt, j]:
+            if not resident[j]:
                 self._proposed.add((nxt, j))
                 out.append((self._layers[nxt], j))
         return out
@@ -417,6 +471,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """What this run learned (with any history loaded before), for :func:`_history.save`."""
         if self._shape is None:
             raise StoreError("policy 'moe' has no shape, hence no history")
+        self._fresh_rows()  # before _learn changes the lift's calibration under them
         self._learn()
         coact = self._coact.counts
         return {
@@ -494,36 +549,44 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         pos, picks = self._batch_pos, self._batch
         if pos < 0 or not picks:
             self._batch_pos, self._batch = -1, []
+            self._batch_set.clear()
             return
         # Learning is deferred to the token cycle's end (_rebuild), where one bincount takes a
         # whole cycle's observations: the density tables it feeds are rebuilt only there, so
         # the outcome is the same and a batch costs a copy instead of two bincounts.
-        ages, counts = self._visits[pos] - self._last[pos], self._count[pos].copy()
+        # The lift bins too (one lift_bin over the cycle's stale predictions, not one per batch).
+        visits = int(self._visits[pos])
+        last, count = self._last[pos], self._count[pos]
+        ages, counts = visits - last, count.copy()
         routed = self._in_batch[pos].copy()
         self._observed.append((ages, counts, routed))
-        stale = self._lift.stale_bins(pos) if len(picks) <= self._k else None
+        stale = self._lift.stale_probs(pos) if len(picks) <= self._k else None
         if stale is not None:  # a token's visit: calibrates the lift (in _learn)
             self._lift_observed.append((stale, ages, counts, routed))
-        self._visits[pos] += 1
-        self._count[pos, picks] += 1.0
-        self._last[pos, picks] = self._visits[pos]
+        self._visits[pos] = visits + 1
+        chosen = np.array(picks)
+        count[chosen] += 1.0  # distinct picks (a repeat ends the batch): as a fancy +=
+        last[chosen] = visits + 1
         prev = self._prev
         from_rows = self._routed_pos == pos  # learned row by row (on_routing): not again here
         if from_rows:
             self._routed_pos = -1
         elif (prev is not None and prev[0] == (pos - 1) % self._L and not self._prev_routed
                 and len(prev[1]) <= self._k and len(picks) <= self._k):
-            self._paired.append((prev[0], prev[1], list(picks)))
-        self._prev, self._prev_routed = (pos, list(picks)), from_rows
+            self._paired.append((prev[0], prev[1], picks))
+        # (picks is the batch's own list, never appended to again: a new batch gets a new one)
+        self._prev, self._prev_routed = (pos, picks), from_rows
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
-        self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
+        if self._proposed:
+            self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
         self._batches_since_rebuild += 1
         if self._batches_since_rebuild >= self._L:  # once per token cycle
             self._rebuild()
         else:
             self._update_rows(pos)  # only this layer's ages and counts changed
         self._batch_pos, self._batch = pos, []
+        self._batch_set.clear()
         self._version += 1  # the cursor moved: every layer's distance changed
 
     def _rebuild(self) -> None:
@@ -550,22 +613,52 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             self._coact.learn_many(self._paired)
             self._paired = []
         if self._lift_observed and self._lam is not None:
-            bins, ages, counts, routed = zip(*self._lift_observed, strict=True)
+            stale, ages, counts, routed = zip(*self._lift_observed, strict=True)
             expected = self._lam[age_bin(np.concatenate(ages)), count_bin(np.concatenate(counts))]
-            self._lift.observe(np.concatenate(bins), expected, np.concatenate(routed))
+            bins = lift_bin(np.stack(stale)).ravel()  # row by row, as stale_bins would
+            self._lift.observe(bins, expected, np.concatenate(routed))
         self._lift_observed = []
         for pos, rows, next_rows in self._paired_rows:
             self._coact.learn_rows(pos, rows, next_rows)
         self._paired_rows = []
 
     def _update_rows(self, rows: int | slice) -> None:
-        """Class terms of the experts of ``rows``: ``_num`` = P(hit within the horizon),
-        ``_ext`` = L x expected idle visits; the density divides them by distance and size."""
+        """The class terms of the experts of ``rows`` (one position, or ``slice(None)``: all)
+        are out of date: marked here, computed by :meth:`_fresh_rows` when first read.
+
+        Why lazily: a batch changes its own layer's terms and the next layer's (the lift),
+        and most batches end with nobody reading either (all hits: nothing is ranked).  Exact:
+        the terms are a function of the ages, counts, lift bins and density tables, and
+        every change to those marks the rows it touches (``_learn`` from :meth:`history`
+        first computes what is marked), so a row computed late equals the row computed at
+        the mark."""
+        if isinstance(rows, slice):
+            self._rows_all = True
+            self._rows_dirty.clear()
+        elif not self._rows_all:
+            self._rows_dirty.add(rows)
+        self._version += 1
+
+    def _fresh_rows(self) -> None:
+        """Compute the class terms marked stale (see :meth:`_update_rows`): ``_num`` =
+        P(hit within the horizon), ``_ext`` = L x expected idle visits; the density divides
+        them by distance and size.  Element by element, so a row's terms are the same
+        whether computed alone or with others."""
+        rows: int | slice | npt.NDArray[np.int64]
+        if self._rows_all:
+            rows = slice(None)
+        elif len(self._rows_dirty) == 1:
+            rows = next(iter(self._rows_dirty))
+        elif self._rows_dirty:
+            rows = np.array(sorted(self._rows_dirty), dtype=np.int64)
+        else:
+            return
+        self._rows_all = False
+        self._rows_dirty.clear()
         age = np.minimum(self._visits[rows, None] - self._last[rows], AGE_MAX - 1)
         cb = count_bin(self._count[rows])
         self._num[rows] = np.minimum(1.0, self._phit[age, cb] * self._lift.factor(rows))
         self._ext[rows] = self._L * self._extra[age, cb]
-        self._version += 1
 
     def _set_cost(self) -> None:
         """Per-layer miss cost relative to the mean felt wait (1 everywhere until measured);
@@ -599,6 +692,8 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         pending = float(self._pending[pos, e])
         if pending == pending:
             return pending
+        if self._rows_all or self._rows_dirty:
+            self._fresh_rows()
         cur = self._cursor()
         if self._next_value is not None and pos == (cur + 1) % self._L:
             return float(self._next_value[e])
@@ -631,7 +726,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             return None
         nxt = (self._cursor() + 1) % self._L
         counts = self._count[nxt] + 1.0  # one pseudo-pick each: an unseen expert is possible
-        return self._coact.predict(self._cursor(), picks, self._k, counts / counts.sum())
+        return self._coact.predict(self._cursor(), picks, self._k, counts / np.add.reduce(counts))
 
     def _predicted_values(self) -> F64 | None:
         """Density of the next layer's experts: routed at the next visit (one layer step
@@ -640,6 +735,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         if pi is None:
             return None
         nxt = (self._cursor() + 1) % self._L
+        self._fresh_rows()
         phit = pi + (1.0 - pi) * self._num[nxt]
         out: F64 = phit * self._cost[nxt] / ((1.0 + (1.0 - pi) * self._ext[nxt]) * self._size[nxt])
         return out

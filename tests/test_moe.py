@@ -483,9 +483,10 @@ def test_store_runs_the_policys_batch_end_while_the_engine_computes(st_checkpoin
 
 def test_prepare_leaves_the_next_batch_no_ranking_to_do() -> None:
     """After ``prepare`` the coming batch's misses walk ready orders: neither the sort of every
-    layer nor the ranking of the layer after it runs on the engine's path."""
+    layer nor the ranking of the layer after it runs on the engine's path (a full table: the
+    coming misses must evict)."""
     policy = moe()
-    table = ResidencyTable(2 * TD, policy)
+    table = ResidencyTable(TD, policy)
     drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]], [[1, 2], [3, 4], [5, 6], [7, 0]]])
     calls: list[str] = []
     sort, rank = policy._sort_victims, policy._rank_next_layer
@@ -507,3 +508,37 @@ def test_prepare_leaves_the_next_batch_no_ranking_to_do() -> None:
     entry = table.reserve((0, 3), UNIT)
     assert entry is not None and calls == []
     table.check()
+
+
+def test_prepare_with_room_ranks_only_when_asked_and_as_it_would_have() -> None:
+    """With room for the coming batch's misses ``prepare`` defers its ranking; the first walk
+    (or change to the resident set) does it then, and every walk is what ranking at once
+    would have given: the order, and so every decision, is the same."""
+    tokens = [[[0, 1], [2, 3], [4, 5], [6, 7]], [[1, 2], [3, 4], [5, 6], [7, 0]]]
+    lazy, eager = moe(), moe()
+    tables = [ResidencyTable(3 * TD, lazy), ResidencyTable(3 * TD, eager)]
+    for table in tables:
+        drive(table, tokens)
+    sorts: list[int] = []
+    sort = lazy._sort_victims
+
+    def counted_sort(cursor: int) -> None:
+        sorts.append(cursor)
+        sort(cursor)
+
+    lazy._sort_victims = counted_sort  # type: ignore[method-assign]
+    lazy.prepare()
+    assert sorts == []  # deferred: 16 of 24 units held, the next batch needs at most 2
+    eager._prepare((eager._cursor() + 1) % 4)  # what prepare did before it deferred
+    for step, (key, miss) in enumerate([((0, 3), True), ((0, 1), False), ((1, 6), True)]):
+        for policy, table in zip((lazy, eager), tables, strict=True):
+            policy.on_request(key, UNIT, not miss)
+            if miss:
+                entry = table.reserve(key, UNIT)
+                assert entry is not None
+                table.publish(entry)
+        assert list(lazy.victims()) == list(eager.victims()), step
+        assert sorts, "the walk ranked"
+    assert {e.key for e in tables[0].entries()} == {e.key for e in tables[1].entries()}
+    for table in tables:
+        table.check()
