@@ -215,8 +215,11 @@ def cpu_scale(folder: Path, policy: str, k: int, contend: str, nbytes: int, dept
 
     from .compute import _DirectReaders
 
+    index = load_index(folder)
+    budget = 2 * k * sum(index.expert_bytes_by_layer().values())  # two token cycles: all resident
+
     async def main() -> float:
-        async with await ExpertStore.open(folder, budget_bytes=1 << 40, policy=policy, experts_per_token=k,
+        async with await ExpertStore.open(folder, budget_bytes=budget, policy=policy, experts_per_token=k,
                                           backend=ModelledBackend(DriveModel(1e18, 0.0))) as store:
             layers = sorted(store.index.expert_bytes_by_layer())
             batches = [[(layer, e) for e in range(k)] for layer in layers]
