@@ -26,6 +26,9 @@ import asyncio
 from collections.abc import Callable, Hashable, Mapping
 from typing import cast
 
+import numpy as np
+import numpy.typing as npt
+
 from iosched.residency import Entry, Hooks, ResidencyTable
 
 from ._layout import ExpertKey, ExpertLayout
@@ -94,6 +97,9 @@ class Prefetcher:
         """Prefetch loads a demand acquire joined."""
         self.policy_batches = 0
         """Batches after which the policy proposed prefetches."""
+        self.expected = self.expect_started = 0
+        """Experts the engine's lookahead (``ExpertStore.expect``) proposed, and loads of them
+        started."""
 
     def token_boundary(self) -> None:
         """The per-token prefetch byte budget starts over."""
@@ -130,7 +136,7 @@ class Prefetcher:
     def batch_done(self) -> None:
         """An ``acquire_many`` holds all its leases: schedule the policy's batch-end work for
         the engine's next await."""
-        if self.proposing and not self._lifecycle.closed:
+        if (self.proposing or self.expected) and not self._lifecycle.closed:
             self._batch_end_at = self._counts.requests
             asyncio.get_running_loop().call_soon(self._policy_batch_end)
 
@@ -150,7 +156,26 @@ class Prefetcher:
         if prepare is not None:
             prepare()
 
-    def _proposed(self, keys: list[Hashable]) -> None:
+    def expect(self, layer: int, probabilities: npt.NDArray[np.float64], min_probability: float) -> list[ExpertKey]:
+        """The engine's lookahead for ``layer``: its experts of at least ``min_probability``,
+        likeliest first, issued as the policy's proposals are (the pacer's allowance, the
+        token budget, the eviction guard); the keys whose loads started.  From the first
+        one on, the pacer's intervals close at every batch end, also under a policy with no
+        batch-end work of its own (``lru`` pays nothing for this until an engine calls it)."""
+        order = np.argsort(-probabilities, kind="stable")
+        keys: list[Hashable] = []
+        for e in order.tolist():
+            if probabilities[e] < min_probability:
+                break
+            keys.append((layer, e))
+        if not keys:
+            return []
+        self.expected += len(keys)
+        started = self._proposed(keys)
+        self.expect_started += len(started)
+        return started
+
+    def _proposed(self, keys: list[Hashable]) -> list[ExpertKey]:
         # (a key of the policy's shape that the checkpoint lacks is skipped, and so is an expert
         # larger than the region admitted entries may use: it could never be reserved)
         room = self._table.main_bytes
@@ -158,8 +183,7 @@ class Prefetcher:
                    if (layout := self._layouts.get(key)) is not None and layout.nbytes <= room]
         pacer = self.pacer
         if pacer is None:
-            self.issue(layouts)
-            return
+            return self.issue(layouts)
         # Only what the drives' idle time can absorb (iosched/_pacing.py); what the guard then
         # refuses read nothing and goes back to the allowance.
         charged: list[ExpertLayout] = []
@@ -169,10 +193,12 @@ class Prefetcher:
             if not pacer.take(layout.nbytes):
                 break
             charged.append(layout)
-        started = set(self.issue(charged))
+        started = self.issue(charged)
+        done = set(started)
         for layout in charged:
-            if layout.key not in started:
+            if layout.key not in done:
                 pacer.refund(layout.nbytes)
+        return started
 
     def close_last_batch(self) -> None:
         """At ``close()``: a batch that ended with the policy not yet told is told now (its

@@ -52,3 +52,34 @@ def routing_rows(index: CheckpointIndex, layer: Any, experts: Any) -> npt.NDArra
     if missing:
         raise UnknownExpertError(f"observe_routing: no expert ({layer}, {missing[0]}) in {index.root}")
     return rows
+
+
+def expectation(index: CheckpointIndex, layer: Any, probabilities: Any) -> npt.NDArray[np.float64]:
+    """``probabilities`` as a fresh ``float64 [E]`` array (E: the experts ``layer`` has in
+    ``index``, numbered from 0), after checking the layer and that every value is a number in
+    [0, 1]; a ``StoreError`` naming the layer (or the first bad expert) otherwise."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise UnknownExpertError(f"expect: layer must be an int, got {layer!r}")
+    layer = int(layer)
+    n = sum(1 for key in index.experts if key[0] == layer)
+    if n == 0:
+        raise UnknownExpertError(f"expect: no layer {layer} in {index.root} "
+                                 f"(layers {index.layers()[0]}..{index.layers()[-1]})")
+    try:
+        arr = np.asarray(probabilities)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"expect: layer {layer}: probabilities are not an array: {exc}") from None
+    if arr.dtype == object or arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.floating)
+                                                             or np.issubdtype(arr.dtype, np.integer)):
+        raise StoreError(f"expect: layer {layer}: probabilities must be numbers, got dtype {arr.dtype}")
+    if arr.shape != (n,):
+        raise StoreError(f"expect: layer {layer} has {n} experts; probabilities must have shape ({n},), "
+                         f"got {arr.shape}")
+    out = arr.astype(np.float64)  # a copy: the engine may reuse its buffer
+    bad = np.flatnonzero(~((out >= 0.0) & (out <= 1.0)))  # NaN fails both
+    if bad.size:
+        e = int(bad[0])
+        raise StoreError(f"expect: layer {layer}: probability of expert {e} is {arr[e]!r}, not in [0, 1]")
+    if any((layer, e) not in index.experts for e in range(n)):
+        raise UnknownExpertError(f"expect: layer {layer}'s experts are not numbered 0..{n - 1} in {index.root}")
+    return out

@@ -58,6 +58,13 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be a probability from 0 to 1, got {text!r}")
+    return value
+
+
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
@@ -110,6 +117,13 @@ SETTINGS: dict[str, Setting] = {
             "read; iosched/_pacing.py), or `none` (all of them, within `token_budget_bytes`). "
             "Measured for `idle`: on a drive-bound run prefetching everything raised the felt "
             "wait by 20-42 % (docs/residency-notebook.md).",
+        ),
+        Setting(
+            "lookahead_min_probability", "IOSCHED_LOOKAHEAD_MIN_PROBABILITY", 0.5, _probability,
+            "The least probability an engine's lookahead (`ExpertStore.expect`) must give an expert "
+            "for the store to load it ahead. 0.5: a prefetch on the critical path replay's "
+            "measurements pays when it is used more often than not (docs/residency.md, "
+            "\"The engine's lookahead\").",
         ),
         Setting(
             "auto_start_cycles", "IOSCHED_AUTO_START_CYCLES", 2, _positive_int,

@@ -222,6 +222,12 @@ class StoreStats:
     prefetch_paced_refusals: int | None
     policy_prefetch_batches: int
     """Batches after which the policy proposed prefetches."""
+    lookahead_expected: int
+    """Experts an engine's lookahead (``expect``) gave at least ``lookahead_min_probability``."""
+    lookahead_started: int
+    """Loads of them that started (the rest were resident or loading, or not paced in, or
+    refused by the budget or the eviction guard); their fate is counted with every prefetch's
+    (``prefetch_used``, ``prefetch_wasted``)."""
     token_budget_bytes: int | None
     migration_bytes: int
     """The part of ``bytes_read`` read by loads a prefetch started: moved ahead of demand."""

@@ -71,6 +71,12 @@ flag               protocol                   hooks, and who calls them when
                                               ``open``; a ``StoreError`` naming ``source``
                                               when it does not fit), ``pinned_experts`` (a
                                               gauge in ``stats()``)
+``LOOKAHEAD``      :class:`LookaheadAware`    ``on_expect(layer, probabilities)``: the
+                                              engine's own estimate, per expert of ``layer``,
+                                              of its being routed at that layer's next batch
+                                              (``ExpertStore.expect``: a ``float64 [E]``
+                                              array in [0, 1], validated), so the policy can
+                                              weigh it with its own prediction and its guard
 =================  =========================  ==============================================
 """
 
@@ -116,6 +122,7 @@ class Capability(enum.Flag):
     WAIT_COST = enum.auto()
     ROUTING = enum.auto()
     HISTORY = enum.auto()
+    LOOKAHEAD = enum.auto()
 
 
 class Policy(Protocol):
@@ -199,6 +206,14 @@ class RoutingAware(Protocol):
 
 
 @runtime_checkable
+class LookaheadAware(Protocol):
+    """``Capability.LOOKAHEAD``."""
+
+    def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
+        """The engine's probability of each expert of ``layer`` being routed at its next batch."""
+
+
+@runtime_checkable
 class HistoryKeeper(Protocol):
     """``Capability.HISTORY``."""
 
@@ -221,6 +236,7 @@ _PROTOCOLS: tuple[tuple[Capability, type], ...] = (
     (Capability.WAIT_COST, WaitCostAware),
     (Capability.ROUTING, RoutingAware),
     (Capability.HISTORY, HistoryKeeper),
+    (Capability.LOOKAHEAD, LookaheadAware),
 )
 
 
@@ -239,6 +255,7 @@ class Hooks:
     on_wait: Callable[[Key, float], None] | None = None
     on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = None
     history: HistoryKeeper | None = None
+    on_expect: Callable[[int, npt.NDArray[np.float64]], None] | None = None
 
     @property
     def rejects_misses(self) -> bool:
@@ -274,4 +291,5 @@ def bind(policy: Policy) -> Hooks:
         on_wait=policy.on_wait if isinstance(policy, WaitCostAware) else None,
         on_routing=policy.on_routing if isinstance(policy, RoutingAware) else None,
         history=policy if isinstance(policy, HistoryKeeper) else None,
+        on_expect=policy.on_expect if isinstance(policy, LookaheadAware) else None,
     )

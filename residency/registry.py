@@ -8,6 +8,7 @@ from iosched._errors import StoreError
 
 from ._policy import Policy
 from .lfu import LFUPolicy
+from .lrfu import LRFUPolicy
 from .lru import LRUPolicy
 from .moe import MoEPolicy
 from .wtinylfu import WTinyLFUPolicy
@@ -20,6 +21,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "moe": MoEPolicy,
     # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,
+    # a decaying routing rate per byte, the engine's lookahead (residency/lrfu.py)
+    "lrfu": LRFUPolicy,
     # W-TinyLFU: window + probation/protected, count-min admission (residency/wtinylfu.py).
     # It rejects misses: give its table a transient slot (tools/replay.py does).
     "wtinylfu": WTinyLFUPolicy,

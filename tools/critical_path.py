@@ -255,7 +255,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, budget: int,
                    model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
                    max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
-                   routing: bool, compute_on: str, read_cpu: float) -> dict[str, Any]:
+                   routing: bool, compute_on: str, read_cpu: float,
+                   lookahead_recall: float | None) -> dict[str, Any]:
     loop = clock.running_virtual_loop()
     if loop is None:
         raise StoreError("the critical-path replay runs on iosched.clock.VirtualTimeLoop")
@@ -268,8 +269,10 @@ async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, 
         loop.skipping = True
         loop.executor_calls = 0
         t0 = clock.now()
+        ahead = (None if lookahead_recall is None
+                 else demo.SyntheticLookahead(lookahead_recall, trace.n_expert))
         run = await demo.drive_engine(store, trace, engine, max_tokens, expert_bytes=expert_bytes,
-                                      layer_map=layer_map, routing=routing)
+                                      layer_map=layer_map, routing=routing, lookahead=ahead)
         wall = clock.now() - t0
         store.end_turn()
         with loop.uncharged():
@@ -289,6 +292,8 @@ async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, 
         "prefetch_coverage": used / (used + misses) if used + misses else None,
         "cpu_ms_per_token": 1e3 * run.decode_cpu_s / max(run.tokens, 1),
         "drive": drive.describe(),
+        "lookahead_recall": lookahead_recall,
+        "lookahead_expected": s["lookahead_expected"], "lookahead_started": s["lookahead_started"],
     })
     return row
 
@@ -300,7 +305,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                          folder: Path | None = None, scale: int = demo.SCALE,
                          on_run: Callable[[str], None] | None = None, routing: bool = True,
                          compute_on: str = DEFAULT_COMPUTE_ON, read_cpu: float | None = None,
-                         backend: str = "odirect") -> dict[str, Any]:
+                         backend: str = "odirect", lookahead_recall: float | None = None) -> dict[str, Any]:
     """Every policy at every budget, each run on a fresh virtual-time loop (module docstring).
     ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`).
     ``read_cpu``: the loop's CPU per read a real backend costs beyond the model; ``None``
@@ -340,7 +345,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles")
             results.append(clock.run(_one_run(
                 ckpt, trace, name, c, budget, compute_model, bandwidth, latency, queue_depth,
-                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu),
+                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu, lookahead_recall),
                 charge_cpu=charge_cpu, cpu_scale=scales[name]))
     return {
         "trace": label, "mode": "critical-path", "k": trace.k, "td_bytes": td,
@@ -353,7 +358,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
         "drive_mbps": bandwidth / 1e6, "drive_latency_us": latency * 1e6, "drive_probe": drive_facts,
         "queue_depth": queue_depth, "cpu": "measured" if charge_cpu else "free",
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
-        "routing": routing, "scale": scale,
+        "routing": routing, "scale": scale, "lookahead_recall": lookahead_recall,
     }
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from iosched import ExpertStore, StoreError, load_index
-from iosched.backends import resolve
+from iosched.backends import Backend, create, resolve
+from iosched.backends.throttle import ThrottledBackend
 
 from . import demo
 from ._replay_policies import HANDWRITTEN, OFFLINE
@@ -40,6 +41,10 @@ from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .handwritten import HandwrittenEngineStore
 from .trace import RouteTrace
 
+THROTTLE_BURST_S = 0.002
+"""``--throttle-mbps``'s bucket holds 2 ms of reads: a steady pace.  The throttle's default
+burst (50 ms) let the reads after each layer's compute through at the real drive's speed,
+which made a 400 MB/s throttle deliver 500 MB/s in decode (measured on the development VM)."""
 DEFAULT_COMPUTE_MS = 1.0
 """The emulated compute of ``--compute-ms`` (``sleep:1``), before real compute was the default."""
 
@@ -59,7 +64,9 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
                         cycles: float, budget: int | str, compute: ComputeSpec | float, backend: str,
                         max_tokens: int | None, expert_bytes: dict[int, int],
                         layer_map: dict[int, int], cold: bool, routing: bool = True,
-                        compute_on: str = DEFAULT_COMPUTE_ON) -> dict[str, Any]:
+                        compute_on: str = DEFAULT_COMPUTE_ON,
+                        lookahead_recall: float | None = None,
+                        throttle_mbps: float | None = None) -> dict[str, Any]:
     spec = compute if isinstance(compute, ComputeSpec) else ComputeSpec("sleep", float(compute))
     engine = Compute(spec, compute_on)
     if cold:
@@ -68,12 +75,18 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
         if policy == HANDWRITTEN:
             return await _handwritten_run(folder, trace, cycles, budget, engine, backend,
                                           max_tokens, expert_bytes, layer_map, routing)
-        async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend,
+        store_backend: str | Backend = backend
+        if throttle_mbps is not None:  # the drive paced to a known speed (validating the model)
+            store_backend = ThrottledBackend(create(resolve(backend, files)[0]), {str(folder): throttle_mbps * 1e6},
+                                             burst_s=THROTTLE_BURST_S)
+        async with await ExpertStore.open(folder, budget_bytes=budget, backend=store_backend,
                                           policy=policy, experts_per_token=trace.k) as store:
             t0 = time.perf_counter()
+            ahead = (None if lookahead_recall is None
+                     else demo.SyntheticLookahead(lookahead_recall, trace.n_expert))
             run = await demo.drive_engine(store, trace, engine, max_tokens,
                                           expert_bytes=expert_bytes, layer_map=layer_map,
-                                          routing=routing)
+                                          routing=routing, lookahead=ahead)
             wall = time.perf_counter() - t0
             store.end_turn()  # the trace's last turn ends: the growth rule's final decision
             s = store.stats()
@@ -157,7 +170,9 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                       folder: Path | None = None, scale: int = demo.SCALE,
                       on_run: Callable[[str], None] | None = None,
-                      auto: bool = False, routing: bool = True) -> dict[str, Any]:
+                      auto: bool = False, routing: bool = True,
+                      lookahead_recall: float | None = None,
+                      throttle_mbps: float | None = None) -> dict[str, Any]:
     """Every policy at every budget against the trace's checkpoint, with real reads.
 
     ``folder``: where the checkpoint is built or found (default: the cache folder, as for
@@ -197,7 +212,8 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles{' (auto)' if budget == 'auto' else ''}")
             results.append(await _one_real_run(
                 ckpt, index.files, trace, name, c, budget, spec, backend,
-                max_tokens, expert_bytes, layer_map, cold, routing, compute_on))
+                max_tokens, expert_bytes, layer_map, cold, routing, compute_on, lookahead_recall,
+                throttle_mbps))
     return {
         "trace": label,
         "mode": "real",
@@ -216,6 +232,8 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
         "cold": cold,
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
         "routing": routing,
+        "lookahead_recall": lookahead_recall,
+        "throttle_mbps": throttle_mbps,
     }
 
 

@@ -105,6 +105,9 @@ class HandwrittenEngineStore(HandwrittenLRU):
     def observe_routing(self, layer: int, experts: Any) -> None:
         pass
 
+    def expect(self, layer: int, probabilities: Any) -> int:
+        return 0  # a hand-written LRU has no lookahead
+
     def stats(self) -> dict[str, Any]:
         return {"felt_wait_s": self.wait_s, "bytes_read": self.bytes_read, "hits": self.hits,
                 "misses": self.requests - self.hits, "requests": self.requests,

@@ -760,6 +760,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="critical path: the event loop's CPU per read a real backend costs beyond the "
                         "model (default: measured with --backend, odirect unless given, on --drive's "
                         "probe file; 0 without --drive)")
+    p.add_argument("--throttle-mbps", type=_command.positive_float, default=None, metavar="MB/S",
+                   help="real I/O: pace the store's reads to this bandwidth (a token bucket in front of "
+                        "the real backend), so that a drive whose speed drifts reads at a known one "
+                        "(validating the critical-path replay; the hand-written arm is not paced)")
+    p.add_argument("--lookahead-recall", type=_command.non_negative_float, default=None, metavar="R",
+                   help="real I/O and critical path: the engine hands the store (ExpertStore.expect) a "
+                        "SYNTHETIC next-layer prediction of recall R (0-1), made from the trace's true "
+                        "next routing plus noise, before each decode layer's compute")
     p.add_argument("--queue-depth", type=_command.positive_int, default=None, metavar="N",
                    help="critical path: the store's queue_depth (default the store's)")
     p.add_argument("--cycles", default=DEFAULT_CYCLES,
@@ -877,7 +885,9 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
             compute=args.compute, compute_on=args.compute_on,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
             on_run=on_run, auto=getattr(args, "auto_budget", False),
-            routing=not getattr(args, "keys_only", False)))
+            routing=not getattr(args, "keys_only", False),
+            lookahead_recall=getattr(args, "lookahead_recall", None),
+            throttle_mbps=getattr(args, "throttle_mbps", None)))
     if not args.json:
         _print_table(engine_replay.real_table(out))
     return out
@@ -910,7 +920,8 @@ def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
             max_tokens=args.tokens, scale=args.scale, on_run=on_run,
             routing=not getattr(args, "keys_only", False), compute_on=args.compute_on,
             read_cpu=None if args.read_cpu_us is None else args.read_cpu_us / 1e6,
-            backend="odirect" if args.backend == "auto" else args.backend)
+            backend="odirect" if args.backend == "auto" else args.backend,
+            lookahead_recall=args.lookahead_recall)
     if not args.json:
         _print_table(critical_path.critical_table(out))
     return out
