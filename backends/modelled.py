@@ -18,9 +18,19 @@ pipe at ``bandwidth`` after the bytes of every request ahead of it:
 
 So one read alone costs ``latency + n / bandwidth``, and at queue depth the drive moves
 ``bandwidth`` bytes a second: the two numbers ``iosched topology --probe`` measures (its
-depth-1 latency, its depth-``qd`` MB/s).  Queue depth itself is the store's
-(``queue_depth=``), as on a real drive.  Invariant: the pipe never carries two requests' bytes
-at once, and no read completes before ``now + latency + n / bandwidth``.
+depth-1 latency, its depth-``qd`` MB/s).
+
+With ``burst`` > 0 the model is a rate limit in front of a faster drive instead (a cloud
+volume's provisioned throughput, or ``iosched replay --throttle-mbps``'s token bucket): a
+read may start once the bytes before it have been paced at ``bandwidth``, less ``burst``
+seconds of credit, and then takes ``latency`` (the drive's own read time):
+
+    paced = max(paced, now) + n / bandwidth;   done = max(now, paced - burst) + latency
+
+Queue depth itself is the store's (``queue_depth=``), as on a real drive.  Invariants: the
+pipe never carries two requests' bytes at once, and no read completes before ``now +
+latency + n / bandwidth`` (with a burst: before ``now + latency``, nor before its bytes were
+paced, less the credit).
 """
 
 from __future__ import annotations
@@ -38,10 +48,12 @@ from ._base import Caps
 
 @dataclass
 class DriveModel:
-    """One drive: ``bandwidth`` bytes/s through its transfer pipe, ``latency`` s per request."""
+    """One drive: ``bandwidth`` bytes/s through its transfer pipe, ``latency`` s per request;
+    with ``burst`` > 0, a rate limit instead (module docstring)."""
 
     bandwidth: float
     latency: float
+    burst: float = 0.0
     pipe_free: float = field(default=0.0, repr=False)
     reads: int = field(default=0, repr=False)
     bytes: int = field(default=0, repr=False)
@@ -52,10 +64,18 @@ class DriveModel:
             raise StoreError(f"drive model: bandwidth must be a positive number of bytes/s, got {self.bandwidth!r}")
         if not (0 <= self.latency < float("inf")):
             raise StoreError(f"drive model: latency must be a number of seconds >= 0, got {self.latency!r}")
+        if not (0 <= self.burst < float("inf")):
+            raise StoreError(f"drive model: burst must be a number of seconds >= 0, got {self.burst!r}")
 
     def schedule(self, nbytes: int, now: float) -> float:
         """The completion time of a read of ``nbytes`` issued at ``now``; books the pipe."""
         transfer = nbytes / self.bandwidth
+        if self.burst > 0:  # a token bucket (GCRA): paced, then the drive's own read
+            self.pipe_free = max(self.pipe_free, now) + transfer
+            self.reads += 1
+            self.bytes += nbytes
+            self.busy_s += transfer
+            return max(now, self.pipe_free - self.burst) + self.latency
         start = max(now + self.latency, self.pipe_free)
         self.pipe_free = start + transfer
         self.reads += 1
@@ -64,7 +84,7 @@ class DriveModel:
         return self.pipe_free
 
     def describe(self) -> dict[str, Any]:
-        return {"bandwidth_mb_s": self.bandwidth / 1e6, "latency_us": self.latency * 1e6,
+        return {"bandwidth_mb_s": self.bandwidth / 1e6, "latency_us": self.latency * 1e6, "burst_ms": self.burst * 1e3,
                 "reads": self.reads, "bytes": self.bytes, "transfer_s": self.busy_s}
 
 

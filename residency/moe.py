@@ -75,6 +75,7 @@ from ._policy import (
     Capability,
     HistoryKeeper,
     Key,
+    LookaheadAware,
     ModelShape,
     PrefetchGuard,
     RoutingAware,
@@ -90,11 +91,11 @@ evictions, short enough to follow a budget that grows between turns."""
 
 
 class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,
-                HistoryKeeper):
+                HistoryKeeper, LookaheadAware):
     name: ClassVar[str] = "moe"
     capabilities: ClassVar[Capability] = (
         Capability.BUDGET | Capability.SHAPE | Capability.BATCHES | Capability.PREFETCH_GUARD
-        | Capability.WAIT_COST | Capability.ROUTING | Capability.HISTORY)
+        | Capability.WAIT_COST | Capability.ROUTING | Capability.HISTORY | Capability.LOOKAHEAD)
 
     def __init__(self, shape: ModelShape | None = None, prefetch_width: int | None = None) -> None:
         """``prefetch_width``: experts proposed per batch at most; ``None`` is ``k``, one
@@ -152,6 +153,8 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._prev: tuple[int, list[int]] | None = None
         self._prev_routed = False
         self._proposed: set[tuple[int, int]] = set()
+        self._expected: dict[int, F64] = {}
+        """Layer position -> the engine's estimate for its next batch (``on_expect``)."""
         """Experts proposed for the next layer and not requested since: an insert of one is a
         prefetch, guarded until its visit."""
         self._horizon = float("nan")
@@ -431,6 +434,24 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
                 out.append((self._layers[nxt], j))
         return out
 
+    def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
+        """The engine's estimate for ``layer``'s next batch (``ExpertStore.expect``): it takes
+        the place of the co-activation prediction for that layer until its batch has passed,
+        in the densities the guard and the victim order compare and in the proposals (an
+        engine that applies the next layer's router to the hidden state predicts better than
+        co-activation: Colibri, 71.6-73.6 % recall of the top-8)."""
+        if self._shape is None:
+            return
+        pos = self._pos.get(layer)
+        if pos is None or probabilities.shape != (self._E,):
+            return
+        self._expected[pos] = probabilities
+        # what the store loads on it is guarded until its visit, as the policy's own proposals
+        chance = self._k / self._E
+        self._proposed.update((pos, int(e)) for e in np.flatnonzero(probabilities > chance).tolist())
+        self._next_key = None  # the next layer's cached densities may be stale now
+        self._version += 1
+
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
         """The router's output for a batch of several tokens at ``layer``: row ``t`` holds the
         experts token ``t`` routed (in slot order, padded with -1).  Pairs each row with the
@@ -578,6 +599,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._prev, self._prev_routed = (pos, picks), from_rows
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
+        self._expected.pop(pos, None)  # and so has the one the engine's estimate was for
         if self._proposed:
             self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
         self._batches_since_rebuild += 1
@@ -725,6 +747,9 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         if not picks or len(picks) > self._k:
             return None
         nxt = (self._cursor() + 1) % self._L
+        expected = self._expected.get(nxt)
+        if expected is not None:  # the engine's own lookahead (it sees the hidden state)
+            return expected
         counts = self._count[nxt] + 1.0  # one pseudo-pick each: an unseen expert is possible
         return self._coact.predict(self._cursor(), picks, self._k, counts / np.add.reduce(counts))
 

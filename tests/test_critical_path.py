@@ -94,6 +94,16 @@ def test_drive_model_latency_and_shared_pipe() -> None:
         DriveModel(bandwidth=0, latency=0)
 
 
+def test_drive_model_as_a_rate_limit() -> None:
+    drive = DriveModel(bandwidth=1e9, latency=100e-6, burst=2e-3)
+    # the credit lets the first 2 ms of bytes through at once, each read then takes its latency
+    assert drive.schedule(1_000_000, now=0.0) == pytest.approx(100e-6)
+    assert drive.schedule(1_000_000, now=0.0) == pytest.approx(100e-6)
+    assert drive.schedule(1_000_000, now=0.0) == pytest.approx(1e-3 + 100e-6)  # paced from here
+    # after an idle second the credit is back, and no more than it
+    assert drive.schedule(3_000_000, now=1.0) == pytest.approx(1.0 + 1e-3 + 100e-6)
+
+
 def test_a_miss_on_the_modelled_drive_waits_exactly_the_model(st_checkpoint: Path) -> None:
     async def main() -> tuple[float, int, int]:
         loop = clock.running_virtual_loop()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import os
 import time
@@ -76,12 +77,18 @@ class ComputeModel:
     per_byte_s: float = 0.0
     per_byte_row_s: float = 0.0
     io_slowdown: float = 0.0
+    fresh_slowdown: float = 0.0
+    """How much longer an expert's compute takes on bytes a read has just brought in (by
+    DMA, past the CPU caches) than on bytes computed on before: on the development VM,
+    576 KiB bf16 experts read with O_DIRECT and computed at once took 1.4-2.8x as long.
+    Applied to the layer's share of such experts (its misses)."""
 
-    def seconds(self, nbytes: Sequence[int], rows: Sequence[int], busy: float = 0.0) -> float:
+    def seconds(self, nbytes: Sequence[int], rows: Sequence[int], busy: float = 0.0, fresh: int = 0) -> float:
         t = self.fixed_s
         for b, r in zip(nbytes, rows, strict=True):
             t += (self.per_byte_s + self.per_byte_row_s * max(r, 1)) * b
-        return t * (1.0 + self.io_slowdown * min(1.0, max(0.0, busy)))
+        share = min(1.0, fresh / len(nbytes)) if nbytes else 0.0
+        return t * (1.0 + self.io_slowdown * min(1.0, max(0.0, busy))) * (1.0 + self.fresh_slowdown * share)
 
     @property
     def label(self) -> str:
@@ -90,7 +97,8 @@ class ComputeModel:
         else:
             text = (f"linear:{1e3 * self.fixed_s:.6g},{1e3 * self.per_byte_s * 2**20:.6g},"
                     f"{1e3 * self.per_byte_row_s * 2**20:.6g}")
-        return text + (f",io:{self.io_slowdown:.4g}" if self.io_slowdown else "")
+        return (text + (f",io:{self.io_slowdown:.4g}" if self.io_slowdown else "")
+                + (f",fresh:{self.fresh_slowdown:.4g}" if self.fresh_slowdown else ""))
 
 
 @dataclass(frozen=True)
@@ -131,20 +139,26 @@ def parse_compute(text: str) -> ComputeSpec:
 def parse_compute_model(text: str) -> ComputeModel | None:
     """``--compute-model``: ``const:MS`` (every layer), ``linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW``
     (:class:`ComputeModel`, per MiB of routed expert bytes), either followed by ``,io:X`` (its
-    ``io_slowdown``), or ``calibrate`` (``None``: measure it here with :func:`calibrate`); an
-    argparse type."""
+    ``io_slowdown``) and ``,fresh:X`` (its ``fresh_slowdown``), or ``calibrate`` (``None``:
+    measure it here with :func:`calibrate`); an argparse type."""
     if text == "calibrate":
         return None
-    io = 0.0
-    head, sep, io_text = text.rpartition(",io:")
-    if sep:
-        try:
-            io = float(io_text)
-        except ValueError:
-            io = float("nan")
-        if not (io == io and 0 <= io < float("inf")):
-            raise argparse.ArgumentTypeError(f"{text!r}: io:X must be a number >= 0")
-        text = head
+    extra = {"io": 0.0, "fresh": 0.0}
+    parts = text.split(",")
+    base: list[str] = []
+    for part in parts:
+        name, sep, value = part.partition(":")
+        if name in extra and sep and base:
+            try:
+                extra[name] = float(value)
+            except ValueError:
+                extra[name] = float("nan")
+            if not (extra[name] == extra[name] and 0 <= extra[name] < float("inf")):
+                raise argparse.ArgumentTypeError(f"{text!r}: {name}:X must be a number >= 0")
+        else:
+            base.append(part)
+    text = ",".join(base)
+    io, fresh = extra["io"], extra["fresh"]
     kind, _, rest = text.partition(":")
     try:
         values = [float(v) for v in rest.split(",")] if rest else []
@@ -152,12 +166,12 @@ def parse_compute_model(text: str) -> ComputeModel | None:
         values = []
     if all(v == v and 0 <= v < float("inf") for v in values):
         if kind == "const" and len(values) == 1:
-            return ComputeModel(fixed_s=values[0] / 1e3, io_slowdown=io)
+            return ComputeModel(fixed_s=values[0] / 1e3, io_slowdown=io, fresh_slowdown=fresh)
         if kind == "linear" and len(values) == 3:
-            return ComputeModel(values[0] / 1e3, values[1] / 1e3 / 2**20, values[2] / 1e3 / 2**20, io)
+            return ComputeModel(values[0] / 1e3, values[1] / 1e3 / 2**20, values[2] / 1e3 / 2**20, io, fresh)
     raise argparse.ArgumentTypeError(f"{text!r} is not calibrate, const:MS or "
                                      f"linear:FIXED_MS,MS_PER_MIB,MS_PER_MIB_ROW (numbers >= 0), "
-                                     f"each optionally followed by ,io:X")
+                                     f"each optionally followed by ,io:X and ,fresh:X")
 
 
 CALIBRATION_ROWS = 16
@@ -240,12 +254,67 @@ def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16",
                 with _DirectReaders(contend, nbytes, contend_depth):
                     ratios.append(median(k, 1, CONTENTION_WINDOW_S) / alone)
             io_slowdown = max(0.0, statistics.median(ratios) - 1.0)
+        fresh_slowdown = _fresh_slowdown(engine, contend, hidden, intermediate, np_dtype, k) if contend else 0.0
     finally:
         engine.close()
     per_expert_1 = max(0.0, (tk - t1) / max(k - 1, 1))  # (a + b) x bytes
     fixed = max(0.0, t1 - per_expert_1)
     per_row = max(0.0, (tkr - tk) / (k * (CALIBRATION_ROWS - 1)))  # b x bytes
-    return ComputeModel(fixed, max(0.0, per_expert_1 - per_row) / nbytes, per_row / nbytes, io_slowdown)
+    return ComputeModel(fixed, max(0.0, per_expert_1 - per_row) / nbytes, per_row / nbytes, io_slowdown,
+                        fresh_slowdown)
+
+
+FRESH_REPS = 40
+"""Layers each arm of the fresh-bytes calibration computes (interleaved, medians)."""
+
+
+def _fresh_slowdown(engine: Compute, path: str, hidden: int, intermediate: int, np_dtype: np.dtype[Any],
+                    k: int) -> float:
+    """:attr:`ComputeModel.fresh_slowdown`: ``k`` experts' worth of ``path`` read with O_DIRECT
+    into page-aligned buffers (as the store's slabs are) and computed on at once, against the
+    same buffers computed on again, interleaved; the median ratio less one.  The bytes are a
+    real checkpoint's (the probe's file), read past its header."""
+    import mmap
+    import random
+    import statistics
+
+    nbytes = 3 * hidden * intermediate * np_dtype.itemsize
+    length = -(-nbytes // 4096) * 4096
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    bufs = [mmap.mmap(-1, length) for _ in range(k)]
+    try:
+        size = os.fstat(fd).st_size
+        if size < (2 << 20) + length:
+            return 0.0
+
+        class _View:
+            def __init__(self, buf: mmap.mmap) -> None:
+                raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes).view(np_dtype)
+                gu = hidden * intermediate
+                self.tensors = {"gate_proj": raw[:gu].reshape(intermediate, hidden),
+                                "up_proj": raw[gu:2 * gu].reshape(intermediate, hidden),
+                                "down_proj": raw[2 * gu:].reshape(hidden, intermediate)}
+
+        views = [_View(b) for b in bufs]
+        rng = random.Random(0)
+        fresh_t: list[float] = []
+        again_t: list[float] = []
+        for _ in range(FRESH_REPS + 1):
+            for b in bufs:
+                os.preadv(fd, [b], rng.randrange(1 << 20, size - length) // 4096 * 4096)
+            t0 = time.perf_counter()
+            engine.run_layer(views, [1] * k)  # type: ignore[arg-type]  # duck-typed views
+            t1 = time.perf_counter()
+            engine.run_layer(views, [1] * k)  # type: ignore[arg-type]
+            fresh_t.append(t1 - t0)
+            again_t.append(time.perf_counter() - t1)
+        del views  # their arrays export the buffers
+        return max(0.0, statistics.median(fresh_t[1:]) / statistics.median(again_t[1:]) - 1.0)
+    finally:
+        os.close(fd)
+        for b in bufs:
+            with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
+                b.close()
 
 
 class _DirectReaders:
@@ -438,7 +507,7 @@ class Compute:
         self.seconds += time.perf_counter() - t0
         return total
 
-    async def layer(self, views: Sequence[ExpertView], rows: Sequence[int]) -> None:
+    async def layer(self, views: Sequence[ExpertView], rows: Sequence[int], fresh: int = 0) -> None:
         """This batch's compute, where :attr:`on` says (``sleep``: the emulation)."""
         if self.spec.kind == "sleep":
             t0 = clock.now()
@@ -454,7 +523,7 @@ class Compute:
                     busy = (busy_s - mark_busy) / (now - mark_t)
                 self._busy_mark = (now, busy_s)
             sizes = [v.data.nbytes for v in views]
-            seconds = self.spec.model.seconds(sizes, rows, busy)
+            seconds = self.spec.model.seconds(sizes, rows, busy, fresh)
             virtual = clock.running_virtual_loop()
             if virtual is not None and self.pollute:
                 with virtual.uncharged():

@@ -256,11 +256,11 @@ async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, 
                    model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
                    max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
                    routing: bool, compute_on: str, read_cpu: float,
-                   lookahead_recall: float | None) -> dict[str, Any]:
+                   lookahead_recall: float | None, burst: float) -> dict[str, Any]:
     loop = clock.running_virtual_loop()
     if loop is None:
         raise StoreError("the critical-path replay runs on iosched.clock.VirtualTimeLoop")
-    drive = DriveModel(bandwidth, latency)
+    drive = DriveModel(bandwidth, latency, burst)
     engine = Compute(ComputeSpec("model", model=model), compute_on)
     engine.drive_busy = lambda: drive.busy_s
     backend = ModelledBackend(drive, cpu_per_read=read_cpu)
@@ -305,7 +305,8 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                          folder: Path | None = None, scale: int = demo.SCALE,
                          on_run: Callable[[str], None] | None = None, routing: bool = True,
                          compute_on: str = DEFAULT_COMPUTE_ON, read_cpu: float | None = None,
-                         backend: str = "odirect", lookahead_recall: float | None = None) -> dict[str, Any]:
+                         backend: str = "odirect", lookahead_recall: float | None = None,
+                         burst: float = 0.0) -> dict[str, Any]:
     """Every policy at every budget, each run on a fresh virtual-time loop (module docstring).
     ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`).
     ``read_cpu``: the loop's CPU per read a real backend costs beyond the model; ``None``
@@ -345,7 +346,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles")
             results.append(clock.run(_one_run(
                 ckpt, trace, name, c, budget, compute_model, bandwidth, latency, queue_depth,
-                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu, lookahead_recall),
+                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu, lookahead_recall, burst),
                 charge_cpu=charge_cpu, cpu_scale=scales[name]))
     return {
         "trace": label, "mode": "critical-path", "k": trace.k, "td_bytes": td,
@@ -355,7 +356,8 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
         "compute_io_calibrated_on": contend if calibrated else None,
         "cpu_scale": scales,
         "read_cpu_us": 1e6 * read_cpu, "read_cpu_measured_with": backend if read_cpu_measured and contend else None,
-        "drive_mbps": bandwidth / 1e6, "drive_latency_us": latency * 1e6, "drive_probe": drive_facts,
+        "drive_mbps": bandwidth / 1e6, "drive_latency_us": latency * 1e6, "drive_burst_ms": burst * 1e3,
+        "drive_probe": drive_facts,
         "queue_depth": queue_depth, "cpu": "measured" if charge_cpu else "free",
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),
         "routing": routing, "scale": scale, "lookahead_recall": lookahead_recall,

@@ -320,7 +320,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
                 if nphase == PHASE_DECODE:
                     store.expect(nlayer if layer_map is None else layer_map[nlayer],
                                  lookahead.probabilities(nexperts))
-            await compute.layer(views, per_expert)
+            await compute.layer(views, per_expert, fresh=(r1 - r0) - (h1 - h0))  # misses: just read
         n, h = r1 - r0, h1 - h0
         all_req += n
         all_hits += h

@@ -746,6 +746,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drive-latency-us", type=_command.non_negative_float, default=None, metavar="US",
                    help=f"critical path: the modelled drive's per-request latency (default "
                         f"{DEFAULT_DRIVE_LATENCY_US:g}, or --drive's probe)")
+    p.add_argument("--drive-burst-ms", type=_command.non_negative_float, default=0.0, metavar="MS",
+                   help="critical path: model the drive as a rate limit (a token bucket of MS ms of "
+                        "credit, --drive-mbps) in front of reads of --drive-latency-us each, as a cloud "
+                        "volume or --throttle-mbps is (default 0: a drive's own transfer pipe)")
     p.add_argument("--drive", default=None, metavar="FILE.json",
                    help="critical path: the drive model from `iosched topology PATH --probe --json` "
                         "written to FILE.json (its depth-qd MB/s and depth-1 latency)")
@@ -921,7 +925,7 @@ def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
             routing=not getattr(args, "keys_only", False), compute_on=args.compute_on,
             read_cpu=None if args.read_cpu_us is None else args.read_cpu_us / 1e6,
             backend="odirect" if args.backend == "auto" else args.backend,
-            lookahead_recall=args.lookahead_recall)
+            lookahead_recall=args.lookahead_recall, burst=args.drive_burst_ms / 1e3)
     if not args.json:
         _print_table(critical_path.critical_table(out))
     return out
