@@ -171,6 +171,19 @@ class Prefetcher:
         if not keys:
             return []
         self.expected += len(keys)
+        if self._hooks.admit_prefetch is None:
+            # a policy without an eviction guard (lru) cannot say what an estimate may displace,
+            # and displacing its oldest entries evicts the next layers' (measured: lru with a
+            # 0.7-recall lookahead ran at 0.44-0.63x its tokens/s): free bytes only
+            table = self._table
+            free = min(table.budget_bytes - table.used_bytes, table.main_bytes - table.admitted_bytes)
+            fitting: list[Hashable] = []
+            for key in keys:
+                layout = self._layouts.get(cast("ExpertKey", key))
+                if layout is not None and layout.nbytes <= free and table.get(layout.key) is None:
+                    fitting.append(key)
+                    free -= layout.nbytes
+            keys = fitting
         started = self._proposed(keys)
         self.expect_started += len(started)
         return started

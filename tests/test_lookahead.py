@@ -8,8 +8,8 @@ What is checked, and why:
   and no others; a later ``acquire`` of one is a hit and counts as a used prefetch;
 * the loads go through the prefetch path's budgets: without an idle allowance (the pacer,
   before any read measured the drive) nothing starts, and the eviction guard still decides;
-* a policy that declares ``Capability.LOOKAHEAD`` gets the estimate; one that does not
-  (``lru``) still benefits through the store;
+* a policy that declares ``Capability.LOOKAHEAD`` gets the estimate; one without an eviction
+  guard (``lru``) gets it into free bytes only, never displacing a resident expert;
 * the synthetic predictor the replays use has the recall it states.
 """
 
@@ -99,3 +99,19 @@ def test_the_synthetic_predictor_has_its_stated_recall() -> None:
             assert hits / total == pytest.approx(recall, abs=0.03)
     with pytest.raises(StoreError, match="recall"):
         SyntheticLookahead(1.5, 128)
+
+
+@pytest.mark.asyncio
+async def test_a_policy_without_a_guard_takes_the_estimate_into_free_bytes_only(st_checkpoint: Path) -> None:
+    probs = np.zeros(EXPERTS)
+    probs[7] = 1.0
+    with settings.override(prefetch_pacing="none"):
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="lru") as store:
+            one = store.index.experts[(0, 0)].nbytes
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=2 * one, policy="lru") as store:
+            async with store.acquire_many([(0, 0), (0, 1)]):
+                pass  # the budget is full now
+            assert store.expect(3, probs) == 0  # lru cannot say what (3, 7) may displace
+            async with store.acquire((0, 0)):
+                pass
+            assert store.stats()["hits"] == 1
