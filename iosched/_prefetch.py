@@ -162,12 +162,11 @@ class Prefetcher:
         token budget, the eviction guard); the keys whose loads started.  From the first
         one on, the pacer's intervals close at every batch end, also under a policy with no
         batch-end work of its own (``lru`` pays nothing for this until an engine calls it)."""
-        order = np.argsort(-probabilities, kind="stable")
-        keys: list[Hashable] = []
-        for e in order.tolist():
-            if probabilities[e] < min_probability:
-                break
-            keys.append((layer, e))
+        likely = np.flatnonzero(probabilities >= min_probability)
+        if not likely.size:
+            return []
+        order = likely[np.argsort(-probabilities[likely], kind="stable")]
+        keys: list[Hashable] = [(layer, e) for e in order.tolist()]
         if not keys:
             return []
         self.expected += len(keys)

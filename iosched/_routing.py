@@ -54,15 +54,27 @@ def routing_rows(index: CheckpointIndex, layer: Any, experts: Any) -> npt.NDArra
     return rows
 
 
-def expectation(index: CheckpointIndex, layer: Any, probabilities: Any) -> npt.NDArray[np.float64]:
-    """``probabilities`` as a fresh ``float64 [E]`` array (E: the experts ``layer`` has in
-    ``index``, numbered from 0), after checking the layer and that every value is a number in
-    [0, 1]; a ``StoreError`` naming the layer (or the first bad expert) otherwise."""
+def layer_sizes(index: CheckpointIndex) -> dict[int, int]:
+    """Experts per MoE layer, for :func:`expectation`, when each layer's are numbered from 0
+    (a layer whose are not is left out: an estimate for it cannot be indexed by expert)."""
+    count: dict[int, int] = {}
+    for layer, _ in index.experts:
+        count[layer] = count.get(layer, 0) + 1
+    return {layer: n for layer, n in count.items() if all((layer, e) in index.experts for e in range(n))}
+
+
+def expectation(index: CheckpointIndex, sizes: dict[int, int], layer: Any,
+                probabilities: Any) -> npt.NDArray[np.float64]:
+    """``probabilities`` as a fresh ``float64 [E]`` array (E: the experts ``layer`` has,
+    ``sizes`` from :func:`layer_sizes`), after checking the layer and that every value is a
+    number in [0, 1]; a ``StoreError`` naming the layer (or the first bad expert) otherwise."""
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise UnknownExpertError(f"expect: layer must be an int, got {layer!r}")
     layer = int(layer)
-    n = sum(1 for key in index.experts if key[0] == layer)
-    if n == 0:
+    n = sizes.get(layer)
+    if n is None:
+        if any(key[0] == layer for key in index.experts):
+            raise UnknownExpertError(f"expect: layer {layer}'s experts are not numbered from 0 in {index.root}")
         raise UnknownExpertError(f"expect: no layer {layer} in {index.root} "
                                  f"(layers {index.layers()[0]}..{index.layers()[-1]})")
     try:
@@ -76,10 +88,8 @@ def expectation(index: CheckpointIndex, layer: Any, probabilities: Any) -> npt.N
         raise StoreError(f"expect: layer {layer} has {n} experts; probabilities must have shape ({n},), "
                          f"got {arr.shape}")
     out = arr.astype(np.float64)  # a copy: the engine may reuse its buffer
-    bad = np.flatnonzero(~((out >= 0.0) & (out <= 1.0)))  # NaN fails both
-    if bad.size:
-        e = int(bad[0])
+    ok = (out >= 0.0) & (out <= 1.0)  # NaN fails both
+    if not ok.all():
+        e = int(np.flatnonzero(~ok)[0])
         raise StoreError(f"expect: layer {layer}: probability of expert {e} is {arr[e]!r}, not in [0, 1]")
-    if any((layer, e) not in index.experts for e in range(n)):
-        raise UnknownExpertError(f"expect: layer {layer}'s experts are not numbered 0..{n - 1} in {index.root}")
     return out

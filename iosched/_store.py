@@ -114,6 +114,8 @@ class ExpertStore:
             shape=shape)
         self._lifecycle = lifecycle = Lifecycle(index.root)
         self._room = Room()
+        self._layer_sizes: dict[int, int] | None = None
+        """Experts per layer for ``expect``, built at its first call."""
         self._ledger = PrefetchLedger(lifecycle)
         self._loader = loader = Loader(table, io, self._ledger, self._room)
         counts = RequestCounts()
@@ -350,7 +352,9 @@ class ExpertStore:
         and nothing is recorded."""
         self._check_loop()
         self._lifecycle.check_open()
-        probs = _routing.expectation(self._index, layer, probabilities)
+        if self._layer_sizes is None:
+            self._layer_sizes = _routing.layer_sizes(self._index)
+        probs = _routing.expectation(self._index, self._layer_sizes, layer, probabilities)
         on_expect = self._table.hooks.on_expect
         if on_expect is not None:
             on_expect(int(layer), probs)

@@ -215,16 +215,21 @@ class SyntheticLookahead:
         self.predicted = self.correct = 0
 
     def probabilities(self, true_experts: Any) -> Any:
-        truth = np.asarray(true_experts, dtype=np.int64)
-        k, n = truth.size, self.n_expert
-        keep = self._rng.random(k) < self.recall
-        others = np.setdiff1d(np.arange(n), truth)
-        picks = np.concatenate([truth[keep], self._rng.choice(others, size=int((~keep).sum()), replace=False)])
+        """The prediction for a batch whose true experts are ``true_experts`` (cheap: about
+        15 µs, so that the engine loop's own time stays an engine's, not the predictor's)."""
+        truth = [int(e) for e in true_experts]
+        k, n = len(truth), self.n_expert
+        kept = [e for e, draw in zip(truth, self._rng.random(k).tolist(), strict=True) if draw < self.recall]
+        picks, truth_set = set(kept), set(truth)
+        while len(picks) < min(k, n):
+            c = int(self._rng.integers(n))
+            if c not in truth_set and c not in picks or len(truth_set) >= n:
+                picks.add(c)
         rest = k * (1.0 - self.recall) / max(n - k, 1)
         probs = np.full(n, rest)
-        probs[picks] = self.recall
+        probs[list(picks)] = self.recall
         self.predicted += k
-        self.correct += int(keep.sum())
+        self.correct += len(kept)
         return probs
 
 
