@@ -184,3 +184,13 @@ def test_compute_model_spellings_and_calibration() -> None:
     model = calibrate(128, 48, 2)
     assert model.fixed_s >= 0 and model.per_byte_s >= 0 and model.per_byte_row_s >= 0
     assert model.seconds([3 * 128 * 48 * 2] * 2, [1, 1]) > 0  # real work takes time
+
+
+def test_critical_path_with_a_synthetic_lookahead(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _critical(capsys, tmp_path, "--policy", "default", "--cpu", "free", "--lookahead-recall", "0.9",
+                    "--compute-on", "thread")
+    assert out["lookahead_recall"] == 0.9
+    [row] = out["results"]
+    # every decode batch but the last hands the store an estimate; some of its experts load
+    assert row["lookahead_expected"] > 0 and row["lookahead_recall"] == 0.9
+    assert row["prefetch_issued"] >= row["lookahead_started"]
