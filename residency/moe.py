@@ -132,8 +132,10 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._size = np.array([[float(shape.expert_bytes[layer])] * E for layer in self._layers])
         self._count = np.zeros((L, E))
         self._cb = count_bin(self._count)
-        """``count_bin(_count)``, kept where the counts change (a batch's picks, a loaded
-        history): the class terms read it about twice per batch."""
+        """``count_bin(_count)`` but for the rows of ``_cb_dirty`` (counts changed since),
+        brought up to date by :meth:`_fresh_rows`: the class terms of the next layer (the
+        lift) are recomputed as often as the visited layer's, and its counts have not changed."""
+        self._cb_dirty: set[int] = set()
         self._last = np.full((L, E), -AGE_MAX, dtype=np.int64)
         self._visits = np.zeros(L, dtype=np.int64)
         self._resident = np.zeros((L, E), dtype=bool)
@@ -542,7 +544,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._prediction = None
         count = np.asarray(arrays["count"], dtype=np.float64)
         self._count += d * count
-        self._cb = count_bin(self._count)
+        self._cb, self._cb_dirty = count_bin(self._count), set()
         self._pins.visits += d * np.asarray(arrays["visits"], dtype=np.float64)
         self._hazard.used += d * np.asarray(arrays["hazard_used"], dtype=np.float64)
         self._hazard.exposed += d * np.asarray(arrays["hazard_exposed"], dtype=np.float64)
@@ -562,7 +564,9 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         require(self._pending_of == {int(f): float(self._pending.ravel()[f])
                                      for f in np.flatnonzero(~np.isnan(self._pending))},
                 "pending densities out of step with their dict")
-        require(np.array_equal(self._cb, count_bin(self._count)), "count bins out of step")
+        fresh = np.ones(self._L, dtype=bool)
+        fresh[sorted(self._cb_dirty)] = False
+        require(np.array_equal(self._cb[fresh], count_bin(self._count[fresh])), "count bins out of step")
         require(len(set(self._batch)) == len(self._batch), "a batch holds an expert twice")
         require(int(self._in_batch.sum()) == len(self._batch), "batch mask out of step")
         require(np.all(self._visits[:, None] >= self._last), "negative age")
@@ -613,7 +617,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._visits[pos] = visits + 1
         chosen = np.array(picks)
         count[chosen] += 1.0  # distinct picks (a repeat ends the batch): as a fancy +=
-        self._cb[pos, chosen] = count_bin(count[chosen])
+        self._cb_dirty.add(pos)
         last[chosen] = visits + 1
         prev = self._prev
         from_rows = self._routed_pos == pos  # learned row by row (on_routing): not again here
@@ -707,6 +711,10 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             return
         self._rows_all = False
         self._rows_dirty.clear()
+        if self._cb_dirty:
+            stale = sorted(self._cb_dirty)
+            self._cb_dirty.clear()
+            self._cb[stale] = count_bin(self._count[stale])
         age = np.minimum(self._visits[rows, None] - self._last[rows], AGE_MAX - 1)
         cb = self._cb[rows]
         self._num[rows] = np.minimum(1.0, self._phit[age, cb] * self._lift.factor(rows))
