@@ -68,6 +68,10 @@ class ContextLift:
         """Layers whose ``current`` row is newer than its ``_bins`` row: binned when
         :meth:`factor` first needs them (most predictions are never read that way)."""
         self._known = np.zeros(n_layers, dtype=bool)
+        self._ratio: F64 | None = None
+        """``(observed + 1) / (expected + 1)`` as of the last :meth:`observe` (read per
+        factor, changed once per token cycle); callers that add to ``observed`` or
+        ``expected`` themselves must reset it."""
         """Layers with a prediction (their ``current`` row is set)."""
 
     def predict(self, pos: int, probs: F64) -> None:
@@ -100,6 +104,7 @@ class ContextLift:
         visit routed it; one bincount for a whole token cycle's visits."""
         self.expected += np.bincount(bins, weights=expected, minlength=BINS)
         self.observed += np.bincount(bins, weights=routed.astype(np.float64), minlength=BINS)
+        self._ratio = None
 
     def factor(self, rows: int | slice | npt.NDArray[np.int64]) -> F64:
         """The multiplier of the class hit probability of the experts of ``rows`` (1 where
@@ -108,7 +113,9 @@ class ContextLift:
             todo = sorted(self._unbinned)
             self._unbinned.clear()
             self._bins[todo] = lift_bin(self.current[todo])
-        ratio = (self.observed + 1.0) / (self.expected + 1.0)
+        ratio = self._ratio
+        if ratio is None:
+            ratio = self._ratio = (self.observed + 1.0) / (self.expected + 1.0)
         known = self._known[rows]
         out: F64 = np.where(known[..., None] if np.ndim(known) else known, ratio[self._bins[rows]], 1.0)
         return out

@@ -132,6 +132,11 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._width = self._k if self._width_setting is None else self._width_setting
         self._size = np.array([[float(shape.expert_bytes[layer])] * E for layer in self._layers])
         self._count = np.zeros((L, E))
+        self._cb = count_bin(self._count)
+        """``count_bin(_count)`` but for the rows of ``_cb_dirty`` (counts changed since),
+        brought up to date by :meth:`_fresh_rows`: the class terms of the next layer (the
+        lift) are recomputed as often as the visited layer's, and its counts have not changed."""
+        self._cb_dirty: set[int] = set()
         self._last = np.full((L, E), -AGE_MAX, dtype=np.int64)
         self._visits = np.zeros(L, dtype=np.int64)
         self._resident = np.zeros((L, E), dtype=bool)
@@ -165,7 +170,8 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._next_key: tuple[int, int] | None = None
         self._version = 0
         self._order_head: list[tuple[float, int]] = []
-        self._order_rest: tuple[F64, npt.NDArray[np.int64]] = (np.zeros(0), np.zeros(0, dtype=np.int64))
+        self._order_rest: tuple[F64, npt.NDArray[np.int64], npt.NDArray[np.intp]] | None = None
+        """The ranking's values and experts, and the positions past the sorted head."""
         self._small_pairs: list[tuple[float, int]] = []
         self._small_key: tuple[int, tuple[int, int] | None] | None = None
         self._order_version = -1
@@ -173,7 +179,17 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """The cursor the order was ranked for (distances count from it): an order ranked
         between batches (``prepare``, or a prefetch's victims) is stale once the next batch
         moves the cursor, even though no density changed."""
-        self._in_order = np.zeros(L * E, dtype=bool)
+        self._stamp = 0
+        self._order_stamp = np.zeros(L * E, dtype=np.int64)
+        """``_stamp`` where an expert was in the last ranking (cheaper than a clear and a set)."""
+        self._pending_of: dict[int, float] = {}
+        """The experts carrying a pending density (flat index: density), mirroring
+        ``_pending``: the ranking writes these few instead of a ``where`` over all."""
+        self._row_of = np.repeat(np.arange(L), E)
+        self._row_bounds = np.array([[p * E, (p + 1) * E] for p in range(L)], dtype=np.int64)
+        self._dist = np.array([self._distance(c) for c in range(L)])
+        """``_distance(cursor)`` for every cursor."""
+        self._num_flat, self._ext_flat, self._size_flat = self._num.ravel(), self._ext.ravel(), self._size.ravel()
         self._deferred: tuple[int, int] | None = None
         """A ``prepare`` not done yet, ``(version, cursor)``: done by :meth:`_settle` before
         the first call that reads the order or changes what it ranks (exactly as if done
@@ -192,6 +208,11 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._observed: list[tuple[npt.NDArray[np.int64], F64, npt.NDArray[np.bool_]]] = []
         self._paired: list[tuple[int, list[int], list[int]]] = []
         self._paired_rows: list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
+        self._prediction: tuple[int, list[int], F64 | None] | None = None
+        """The last :meth:`_predict_next` (cursor, the picks list it read, the result, never
+        written to): ``end_batch`` proposes from it and the next walk's densities read it
+        again.  Dropped by whatever changes its inputs: a batch's end (counts, the picks),
+        :meth:`_learn` (the co-activation), a loaded history."""
         self._rows: tuple[int, npt.NDArray[np.int64]] | None = None
         """The last multi-token routing observed (layer position, rows), to pair with the
         next layer's rows of the same tokens."""
@@ -236,13 +257,18 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         pos, e = self._locate(key)
         self._resident[pos, e] = True
         self._size[pos, e] = nbytes
+        flat = pos * self._E + e
         if (pos, e) in self._proposed:  # a speculative load: guarded until its visit passes
             self._refresh()
-            self._pending[pos, e] = self._value(pos, e)
-        flat = pos * self._E + e
+            value = self._value(pos, e)
+            self._pending[pos, e] = value
+            if value == value:
+                self._pending_of[flat] = value
+            else:
+                self._pending_of.pop(flat, None)
         self._held += nbytes - self._held_of.get(flat, 0)
         self._held_of[flat] = nbytes
-        if self._in_order[flat]:
+        if self._order_stamp[flat] == self._stamp:
             self._version += 1  # back in after an eviction: its old rank is stale
         else:
             self._appended.append(flat)  # this batch's miss, or a prefetch (merged from the small list)
@@ -250,9 +276,11 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
     def on_remove(self, key: Key) -> None:
         self._settle()
         pos, e = self._locate(key)
-        self._held -= self._held_of.pop(pos * self._E + e, 0)
+        flat = pos * self._E + e
+        self._held -= self._held_of.pop(flat, 0)
         self._resident[pos, e] = False
         self._pending[pos, e] = np.nan
+        self._pending_of.pop(flat, None)
         age = max(1, int(self._visits[pos] - self._last[pos, e]))
         self._horizon += (min(age, AGE_MAX) - self._horizon) / HORIZON_MEMORY
 
@@ -369,29 +397,42 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         the ``HEAD`` lowest sorted now, the rest only if a walk gets past them (rare: a miss
         needs one victim, a batch's prefetches a few), since a full sort of thousands of
         experts per batch cost more than the rest of the policy together (measured in the
-        demo: 150 us per sort, 35 sorts per token)."""
+        demo: 150 us per sort, 35 sorts per token).
+
+        Runs twice per batch when the budget is smaller than the working set (the prefetch
+        guard's walk, then ``prepare``'s), so it is written for few numpy calls (~1 us each,
+        on a few hundred experts): the next layer cut out of the sorted resident indices by
+        two bisections, distances from a table per cursor, pending densities written over
+        the few experts that carry one, the rest's values kept unsliced until a walk needs
+        them.  The array ``argpartition`` sees is the same as ever (resident experts in flat
+        order), so its tie order, and every decision, is unchanged."""
         E = self._E
         nxt = (cursor + 1) % self._L
         self._fresh_rows()
         idx = np.flatnonzero(self._resident)
-        rows = idx // E
-        idx = idx[rows != nxt]
-        rows = idx // E
-        vals = (self._num.ravel()[idx] * self._cost[rows]
-                / ((self._distance(cursor)[rows] + self._ext.ravel()[idx]) * self._size.ravel()[idx]))
-        pend = self._pending.ravel()[idx]
-        vals = np.where(np.isnan(pend), vals, pend)
-        head = min(idx.size, 4 * self._k + 8)
-        if head < idx.size:
+        lo, hi = idx.searchsorted(self._row_bounds[nxt]).tolist()
+        if lo < hi:
+            idx = np.concatenate((idx[:lo], idx[hi:]))
+        rows = self._row_of[idx]
+        vals = (self._num_flat[idx] * self._cost[rows]
+                / ((self._dist[cursor][rows] + self._ext_flat[idx]) * self._size_flat[idx]))
+        if self._pending_of:
+            flats = [f for f in self._pending_of if f // E != nxt]
+            if flats:
+                vals[idx.searchsorted(flats)] = [self._pending_of[f] for f in flats]
+        n = idx.size
+        head = min(n, 4 * self._k + 8)
+        if head < n:
             part = np.argpartition(vals, head - 1)
-            first, rest = part[:head], part[head:]
+            first = part[:head]
+            first = first[vals[first].argsort(kind="stable")]
+            self._order_rest = (vals, idx, part[head:])
         else:
-            first, rest = np.arange(idx.size), np.arange(0)
-        first = first[np.argsort(vals[first], kind="stable")]
+            first = vals.argsort(kind="stable")
+            self._order_rest = None
         self._order_head = list(zip(vals[first].tolist(), idx[first].tolist(), strict=True))
-        self._order_rest = (vals[rest], idx[rest])
-        self._in_order[:] = False
-        self._in_order[idx] = True
+        self._stamp += 1
+        self._order_stamp[idx] = self._stamp
         self._appended = []
         self._order_version = self._version
         self._order_cursor = cursor
@@ -400,8 +441,9 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """The sorted head, then (sorted on first need) the rest: every value in the rest is
         at least the head's largest, so the chain stays in order."""
         yield from self._order_head
-        vals, idx = self._order_rest
-        if idx.size:
+        if self._order_rest is not None:
+            vals, idx, rest = self._order_rest
+            vals, idx = vals[rest], idx[rest]
             order = np.argsort(vals, kind="stable")
             yield from zip(vals[order].tolist(), idx[order].tolist(), strict=True)
 
@@ -520,8 +562,10 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             raise StoreError(f"usage history {source}: saved for another model shape (layers, "
                              f"experts or k differ from {L} layers x {E} experts, k={self._k})")
         d = _history.HISTORY_DECAY
+        self._prediction = None
         count = np.asarray(arrays["count"], dtype=np.float64)
         self._count += d * count
+        self._cb, self._cb_dirty = count_bin(self._count), set()
         self._pins.visits += d * np.asarray(arrays["visits"], dtype=np.float64)
         self._hazard.used += d * np.asarray(arrays["hazard_used"], dtype=np.float64)
         self._hazard.exposed += d * np.asarray(arrays["hazard_exposed"], dtype=np.float64)
@@ -538,6 +582,12 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         mine = {(self._layers[i // self._E], i % self._E) for i in np.flatnonzero(self._resident).tolist()}
         require(mine == keys, "moe policy's resident mask does not track the table")
         require(np.all(np.isnan(self._pending[~self._resident])), "pending density on a non-resident expert")
+        require(self._pending_of == {int(f): float(self._pending.ravel()[f])
+                                     for f in np.flatnonzero(~np.isnan(self._pending))},
+                "pending densities out of step with their dict")
+        fresh = np.ones(self._L, dtype=bool)
+        fresh[sorted(self._cb_dirty)] = False
+        require(np.array_equal(self._cb[fresh], count_bin(self._count[fresh])), "count bins out of step")
         require(len(set(self._batch)) == len(self._batch), "a batch holds an expert twice")
         require(int(self._in_batch.sum()) == len(self._batch), "batch mask out of step")
         require(np.all(self._visits[:, None] >= self._last), "negative age")
@@ -568,6 +618,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
     def _end_batch(self) -> None:
         """Learn from the batch in progress (if any) and start none."""
         pos, picks = self._batch_pos, self._batch
+        self._prediction = None
         if pos < 0 or not picks:
             self._batch_pos, self._batch = -1, []
             self._batch_set.clear()
@@ -587,6 +638,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._visits[pos] = visits + 1
         chosen = np.array(picks)
         count[chosen] += 1.0  # distinct picks (a repeat ends the batch): as a fancy +=
+        self._cb_dirty.add(pos)
         last[chosen] = visits + 1
         prev = self._prev
         from_rows = self._routed_pos == pos  # learned row by row (on_routing): not again here
@@ -600,6 +652,9 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._in_batch[pos] = False
         self._pending[pos] = np.nan  # the visit prefetches were made for has passed
         self._expected.pop(pos, None)  # and so has the one the engine's estimate was for
+        if self._pending_of:
+            E = self._E
+            self._pending_of = {f: v for f, v in self._pending_of.items() if f // E != pos}
         if self._proposed:
             self._proposed = {(p, j) for (p, j) in self._proposed if p != pos}
         self._batches_since_rebuild += 1
@@ -627,6 +682,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
 
     def _learn(self) -> None:
         """Fold the cycle's deferred observations into the hazard and co-activation tables."""
+        self._prediction = None
         if self._observed:
             ages, counts, routed = zip(*self._observed, strict=True)
             self._hazard.observe(np.concatenate(ages), np.concatenate(counts), np.concatenate(routed))
@@ -677,8 +733,12 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             return
         self._rows_all = False
         self._rows_dirty.clear()
+        if self._cb_dirty:
+            stale = sorted(self._cb_dirty)
+            self._cb_dirty.clear()
+            self._cb[stale] = count_bin(self._count[stale])
         age = np.minimum(self._visits[rows, None] - self._last[rows], AGE_MAX - 1)
-        cb = count_bin(self._count[rows])
+        cb = self._cb[rows]
         self._num[rows] = np.minimum(1.0, self._phit[age, cb] * self._lift.factor(rows))
         self._ext[rows] = self._L * self._extra[age, cb]
 
@@ -746,12 +806,18 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         picks = self._picks()
         if not picks or len(picks) > self._k:
             return None
-        nxt = (self._cursor() + 1) % self._L
+        cursor = self._cursor()
+        nxt = (cursor + 1) % self._L
         expected = self._expected.get(nxt)
         if expected is not None:  # the engine's own lookahead (it sees the hidden state)
             return expected
+        cached = self._prediction
+        if cached is not None and cached[0] == cursor and cached[1] is picks:
+            return cached[2]
         counts = self._count[nxt] + 1.0  # one pseudo-pick each: an unseen expert is possible
-        return self._coact.predict(self._cursor(), picks, self._k, counts / np.add.reduce(counts))
+        out = self._coact.predict(cursor, picks, self._k, counts / np.add.reduce(counts))
+        self._prediction = (cursor, picks, out)
+        return out
 
     def _predicted_values(self) -> F64 | None:
         """Density of the next layer's experts: routed at the next visit (one layer step
