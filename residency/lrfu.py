@@ -10,14 +10,14 @@ rate of the expert's routings per token (the CRF of LRFU, Lee et al., IEEE Trans
 popular ones come back often (routers are skewed).  Evicting the lowest rate per byte over
 all layers at once gives each layer the bytes its experts' rates are worth.
 
-Measured against the policy it replaces as the default (``moe``: hit density over an online
-hazard table, co-activation prefetch), on the critical-path replay (docs/residency.md, "The
-critical path"): the same or fewer bytes moved at 1-4 token cycles on both bundled traces,
-at a CPU cost per request near LRU's (one dict lookup, two ``math`` calls, a heap push),
-where ``moe``'s learning cost more than its hits saved.  It proposes no prefetches of its
-own: the store's co-activation prefetches were right 35-55 % of the time and cost more
-than they saved (issue #15); an engine's own lookahead (``ExpertStore.expect``) is taken
-instead, through :meth:`on_expect` and :meth:`admit_prefetch`.
+What it was measured to do (docs/residency.md, ``lrfu`` and "The critical path"): in the
+hit-rate replay it moves 0.85-0.93x LRU's bytes at 0.5-4 token cycles on both bundled
+traces, about what ``moe`` does without prefetch, at a CPU cost per request near LRU's (one
+dict lookup, two ``math`` calls, a heap push); on the critical path (the store itself) the
+gain mostly vanishes, 0.77-1.07x ``lru``'s tokens/s, so it is an option, not the default.
+It proposes no prefetches of its own; an engine's lookahead (``ExpertStore.expect``) is
+taken through :meth:`on_expect` and :meth:`admit_prefetch` (on the critical path with a
+0.7-recall synthetic predictor: 1.08-1.14x ``lru``).
 
 Time is in tokens: one MoE layer's batch is 1/L of a token (L from the model's shape), so
 the decay is the same in prefill and decode and under any layer count.  The half-life,

@@ -251,7 +251,7 @@ def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16",
             ratios = []
             for _ in range(3):
                 alone = median(k, 1, CONTENTION_WINDOW_S)
-                with _DirectReaders(contend, nbytes, contend_depth):
+                with DirectReaders(contend, nbytes, contend_depth):
                     ratios.append(median(k, 1, CONTENTION_WINDOW_S) / alone)
             io_slowdown = max(0.0, statistics.median(ratios) - 1.0)
         fresh_slowdown = _fresh_slowdown(engine, contend, hidden, intermediate, np_dtype, k) if contend else 0.0
@@ -317,7 +317,7 @@ def _fresh_slowdown(engine: Compute, path: str, hidden: int, intermediate: int, 
                 b.close()
 
 
-class _DirectReaders:
+class DirectReaders:
     """``depth`` threads reading ``path`` with O_DIRECT, ``nbytes`` (rounded up to 4 KiB) a
     read at random aligned offsets, until the block ends: the drive as busy as the store's
     misses keep it.  Written by hand: fio would be the reference, but it is not always
@@ -350,7 +350,7 @@ class _DirectReaders:
             buf.close()
             os.close(fd)
 
-    def __enter__(self) -> _DirectReaders:
+    def __enter__(self) -> DirectReaders:
         import threading
 
         try:

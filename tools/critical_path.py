@@ -21,7 +21,7 @@ Two things are modelled, because they are not the store:
 
 The store's and the policy's CPU are *measured*: the loop's clock runs on with the real time
 Python spends on it (``charge_cpu``; ``--cpu free`` makes CPU cost nothing, and then the same
-inputs give the same numbers to the last digit, but for the measured CPU columns).  Three
+inputs give the same numbers to the last digit, but for the measured CPU columns).  These
 effects of a real engine on the CPU are modelled, each measured on this machine:
 
 * where the compute runs (``--compute-on``): ``loop`` holds the event loop for the layer's
@@ -32,8 +32,12 @@ effects of a real engine on the CPU are modelled, each measured on this machine:
   validate with ``loop`` there (docs/benchmarks.md);
 * the reads' cost to the compute: :attr:`~iosched.tools.compute.ComputeModel.io_slowdown`,
   calibrated beside real O_DIRECT reads of the probe's file, scaled by the modelled drive's
-  busy share; and the reads' cost to the loop: ``read_cpu`` per read
-  (:func:`read_overhead`: the loop thread's CPU per real read, less the modelled one's);
+  busy share, and :attr:`~iosched.tools.compute.ComputeModel.fresh_slowdown`, the compute on
+  bytes a read has just brought in (a batch's misses), calibrated on that file too;
+* the reads' cost to the loop: ``read_cpu`` per read (:func:`read_overhead`: the loop
+  thread's CPU per real read, less the modelled one's), and the store's Python running slower
+  beside reads: ``cpu_scale`` (:func:`cpu_scale`, per policy), which the loop's clock
+  multiplies the real time spent on it by;
 * the compute's cost to the store's Python: each modelled layer reads as many bytes as its
   experts hold from a buffer larger than the caches (off the clock), so the policy after it
   runs on caches as cold as real compute leaves them.
@@ -213,7 +217,7 @@ def cpu_scale(folder: Path, policy: str, k: int, contend: str, nbytes: int, dept
     import statistics
     import time
 
-    from .compute import _DirectReaders
+    from .compute import DirectReaders
 
     index = load_index(folder)
     budget = 2 * k * sum(index.expert_bytes_by_layer().values())  # two token cycles: all resident
@@ -238,7 +242,7 @@ def cpu_scale(folder: Path, policy: str, k: int, contend: str, nbytes: int, dept
             ratios = []
             for _ in range(3):
                 alone = await window()
-                with _DirectReaders(contend, nbytes, depth):
+                with DirectReaders(contend, nbytes, depth):
                     ratios.append(await window() / alone)
             return max(1.0, statistics.median(ratios))
 
