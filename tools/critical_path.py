@@ -42,10 +42,10 @@ effects of a real engine on the CPU are modelled, each measured on this machine:
   experts hold from a buffer larger than the caches (off the clock), so the policy after it
   runs on caches as cold as real compute leaves them.
 
-The checkpoint is the real-I/O replay's (same tensor names, shapes and files, ``--scale``)
-written sparse (``tools/synth.py`` writes real bytes; a sparse file holds the same index
-at no disk cost, so ``--scale 1``'s 17.6 GB Qwen3 shape costs a few KiB): the store indexes it
-as any checkpoint, and the modelled drive never reads it.
+The checkpoint is the real-I/O replay's (:func:`iosched.tools.demo.demo_checkpoint`: same
+tensor names, shapes and files, ``--scale``) written sparse, its data left as holes, so
+``--scale 1``'s 17.6 GB Qwen3 shape costs a few KiB of disk: the store indexes it as any
+checkpoint, and the modelled drive never reads it.
 
 Row keys, beyond the real-I/O replay's: ``felt_p50_ms``/``felt_p99_ms`` (per decode token),
 ``demand_bytes``/``prefetch_bytes`` (``bytes_read`` split by who started the load),
@@ -59,10 +59,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from iosched import ExpertStore, StoreError, clock, load_index
 from iosched.backends.modelled import DriveModel, ModelledBackend
@@ -72,61 +73,12 @@ from ._replay_policies import HANDWRITTEN
 from .compute import DEFAULT_COMPUTE_ON, Compute, ComputeModel, ComputeSpec, calibrate
 from .trace import RouteTrace
 
-SPARSE_VERSION = 1
 DEFAULT_DRIVE_MBPS = 1500.0
 """The drive when none is given: a PCIe 3 NVMe's order of random-read bandwidth at depth
 (1.5 GB/s), the middle of the issue's 0.5-3 GB/s range."""
 DEFAULT_DRIVE_LATENCY_US = 80.0
 """Per-request latency when none is given: a TLC NVMe's 4 KiB random-read latency at depth 1
 is 60-100 µs (vendors' data sheets)."""
-
-
-def sparse_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = demo.SCALE) -> Path:
-    """The real-I/O replay's checkpoint for ``trace`` at ``scale``, written sparse (built once,
-    atomically).  Written here rather than by ``safetensors``: its writer takes arrays, and the
-    point is to hold none.  The format is safetensors' own: an 8-byte little-endian header
-    length, the JSON header (padded with spaces to 8 bytes), the data."""
-    if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
-        raise StoreError(f"--scale must be an integer from 1 to 64, got {scale!r}")
-    hidden, inter = demo.REAL_HIDDEN // scale, demo.REAL_INTERMEDIATE // scale
-    n_layers = len(trace.layers)
-    name = f"sparse-v{SPARSE_VERSION}-{trace.arch}-{n_layers}x{trace.n_expert}-{hidden}x{inter}"
-    target = (folder or demo.cache_dir()) / name
-    if (target / ".complete").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f"{name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    shards = min(4, n_layers)
-    per = -(-n_layers // shards)
-    weight_map: dict[str, str] = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for layer in range(s * per, min(n_layers, (s + 1) * per)):
-            for e in range(trace.n_expert):
-                for role, shape in (("gate_proj", [inter, hidden]), ("up_proj", [inter, hidden]),
-                                    ("down_proj", [hidden, inter])):
-                    tname = f"model.layers.{layer}.mlp.experts.{e}.{role}.weight"
-                    n = shape[0] * shape[1] * 2
-                    header[tname] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
-                    weight_map[tname] = fname
-                    offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(tmp / fname, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + offset)
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp / ".complete").write_text(f"{trace.source}\n")
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process built it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def drive_from_probe(path: str, drive: str | None = None) -> tuple[float, float, dict[str, Any]]:
@@ -249,13 +201,6 @@ def cpu_scale(folder: Path, policy: str, k: int, contend: str, nbytes: int, dept
     return asyncio.run(main())
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, budget: int,
                    model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
                    max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
@@ -286,10 +231,11 @@ async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, 
                          "virtual-time run; their time would have been skipped, not waited for")
     row = engine_replay.result_row(policy, cycles, s, run, wall, engine)
     felt_ms = [1e3 * f for f in run.token_felt_s]
+    p50, p99 = (float(v) for v in np.percentile(felt_ms, [50, 99], method="nearest")) if felt_ms else (0.0, 0.0)
     issued, used = s["prefetch_issued"], s["prefetch_used"]
     misses = s["misses"]
     row.update({
-        "felt_p50_ms": _percentile(felt_ms, 0.50), "felt_p99_ms": _percentile(felt_ms, 0.99),
+        "felt_p50_ms": p50, "felt_p99_ms": p99,
         "prefetch_bytes": s["migration_bytes"], "demand_bytes": s["bytes_read"] - s["migration_bytes"],
         "prefetch_issued": issued, "prefetch_used": used,
         "prefetch_precision": used / issued if issued else None,
@@ -321,7 +267,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                          "is not the store and cannot run on virtual time)")
     if max_tokens is not None and max_tokens <= 0:
         raise StoreError("--tokens must be positive")
-    ckpt = sparse_checkpoint(trace, folder, scale)
+    ckpt = demo.demo_checkpoint(trace, folder, scale, sparse=True)
     index = load_index(ckpt)
     by_layer = index.expert_bytes_by_layer()
     ck_layers = sorted(by_layer)

@@ -51,6 +51,9 @@ real expert's: ``--scale 2`` (1024 x 384 bf16, 2.25 MiB an expert, the size of t
 Q4_K_M experts) makes misses cost what they cost in a real engine (14.5 GB for qwen's shape)."""
 CHECKPOINT_VERSION = 1
 """Bump when the demo checkpoint's contents change, so old caches are not reused."""
+SPARSE_VERSION = 2
+"""The same for its sparse twin (2: the demo's own files, dense tensors and shards included,
+written by ``write_safetensors_moe``; 1 was a writer of the critical-path replay's own)."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +91,17 @@ def cache_dir() -> Path:
     return Path(base) / "iosched"
 
 
-def demo_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = SCALE) -> Path:
+def demo_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = SCALE,
+                    sparse: bool = False) -> Path:
     """The demo checkpoint for ``trace``, built on first use (atomically: build, then rename),
-    its experts ``scale`` times smaller than Qwen3-30B-A3B's in each dimension."""
+    its experts ``scale`` times smaller than Qwen3-30B-A3B's in each dimension.  ``sparse``:
+    the same files with their data left as holes (``write_safetensors_moe(sparse=True)``), in
+    a folder of its own, for the critical-path replay, which never reads them."""
     if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
         raise StoreError(f"--scale must be an integer from 1 to 64, got {scale!r}")
     hidden, inter = REAL_HIDDEN // scale, REAL_INTERMEDIATE // scale
-    name = f"demo-v{CHECKPOINT_VERSION}-{trace.arch}-{len(trace.layers)}x{trace.n_expert}-{hidden}x{inter}"
+    kind = f"sparse-v{SPARSE_VERSION}" if sparse else f"demo-v{CHECKPOINT_VERSION}"
+    name = f"{kind}-{trace.arch}-{len(trace.layers)}x{trace.n_expert}-{hidden}x{inter}"
     target = (folder or cache_dir()) / name
     if (target / ".complete").exists():
         return target
@@ -103,7 +110,7 @@ def demo_checkpoint(trace: RouteTrace, folder: Path | None = None, scale: int = 
     shutil.rmtree(tmp, ignore_errors=True)
     write_safetensors_moe(
         tmp, n_layers=len(trace.layers), n_experts=trace.n_expert, hidden=hidden,
-        intermediate=inter, dtype="bfloat16", n_shards=4, seed=0,
+        intermediate=inter, dtype="bfloat16", n_shards=4, seed=0, sparse=sparse,
     )
     (tmp / ".complete").write_text(f"{trace.source}\n")
     try:

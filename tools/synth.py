@@ -15,6 +15,7 @@ back can be compared with ``==``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ def write_safetensors_moe(
     seed: int = 0,
     dense: bool = True,
     experts_per_token: int | None = None,
+    sparse: bool = False,
 ) -> Path:
     """Write a Hugging Face style MoE checkpoint into ``folder`` and return the folder.
 
@@ -61,6 +63,9 @@ def write_safetensors_moe(
     ``index_json`` writes ``model.safetensors.index.json`` with the ``weight_map``.
     ``experts_per_token`` (k) writes a minimal ``config.json`` with ``num_experts_per_tok``
     (and the expert count under the naming's key); ``None`` writes no ``config.json``.
+    ``sparse`` (bfloat16 only) writes the same files with their headers and no data: each
+    shard's bytes after the header are a hole (zeros, no disk blocks), for a store that never
+    reads them (the critical-path replay's modelled drive).
     """
     _check_sizes(n_layers=n_layers, n_experts=n_experts, hidden=hidden, intermediate=intermediate)
     if dtype not in ("bfloat16", "float16", "float32"):
@@ -71,6 +76,8 @@ def write_safetensors_moe(
         raise ValueError(f"n_shards must be between 1 and n_layers ({n_layers}), not {n_shards}")
     if experts_per_token is not None:
         _check_sizes(experts_per_token=experts_per_token)
+    if sparse and dtype != "bfloat16":
+        raise ValueError(f"sparse checkpoints are written in bfloat16, not {dtype!r}")
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,18 +91,21 @@ def write_safetensors_moe(
             if n_shards == 1
             else f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
         )
-        tensors: dict[str, npt.NDArray[Any]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         if dense and i == 0:
-            tensors["model.embed_tokens.weight"] = _values(rng, (_VOCAB, hidden), dtype)
+            shapes["model.embed_tokens.weight"] = (_VOCAB, hidden)
         for layer in (int(x) for x in layers):
-            for name, shape in _layer_tensors(layer, n_experts, hidden, intermediate, naming, dense):
-                tensors[name] = _values(rng, shape, dtype)
-        if dtype == "bfloat16":
-            _save_bf16(tensors, out / shard)
+            shapes.update(_layer_tensors(layer, n_experts, hidden, intermediate, naming, dense))
+        if sparse:
+            total += _save_bf16_sparse(shapes, out / shard)
         else:
-            safetensors.numpy.save_file(tensors, str(out / shard), metadata={"format": "pt"})
-        total += sum(int(t.nbytes) for t in tensors.values())
-        weight_map.update({name: shard for name in tensors})
+            tensors = {name: _values(rng, shape, dtype) for name, shape in shapes.items()}
+            if dtype == "bfloat16":
+                _save_bf16(tensors, out / shard)
+            else:
+                safetensors.numpy.save_file(tensors, str(out / shard), metadata={"format": "pt"})
+            total += sum(int(t.nbytes) for t in tensors.values())
+        weight_map.update({name: shard for name in shapes})
 
     if index_json:
         doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -220,23 +230,36 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> npt
     return bits if dtype == "bfloat16" else bits.view(np.dtype(dtype))
 
 
-def _save_bf16(tensors: dict[str, npt.NDArray[Any]], path: Path) -> None:
-    """Write ``uint16`` bit patterns as a ``BF16`` safetensors file, in the library's layout."""
+def _bf16_header(shapes: dict[str, tuple[int, ...]]) -> tuple[bytes, list[str], int]:
+    """The ``BF16`` safetensors header of tensors of these shapes, in the library's layout
+    (names sorted, data back to back, the JSON padded with spaces to 8 bytes): the bytes to
+    write before the data (its length included), the names in data order, the data's size."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    names = sorted(tensors)
+    names = sorted(shapes)
     for name in names:
-        t = tensors[name]
-        header[name] = {
-            "dtype": "BF16",
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + int(t.nbytes)],
-        }
-        offset += int(t.nbytes)
+        n = 2 * math.prod(shapes[name])
+        header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + n]}
+        offset += n
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, names, offset
+
+
+def _save_bf16(tensors: dict[str, npt.NDArray[Any]], path: Path) -> None:
+    """Write ``uint16`` bit patterns as a ``BF16`` safetensors file, in the library's layout."""
+    head, names, _ = _bf16_header({name: tuple(t.shape) for name, t in tensors.items()})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(head)
         for name in names:
             f.write(np.ascontiguousarray(tensors[name], dtype="<u2").tobytes())
+
+
+def _save_bf16_sparse(shapes: dict[str, tuple[int, ...]], path: Path) -> int:
+    """:func:`_save_bf16`'s file with its data a hole (``truncate``): only the header takes
+    disk space.  Returns the data's size."""
+    head, _, size = _bf16_header(shapes)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + size)
+    return size
