@@ -18,7 +18,7 @@ from iosched import StoreError
 
 from . import _command, _runner
 from ._replay_policies import HANDWRITTEN
-from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, NUMPY, parse_compute
+from .compute import NUMPY, add_compute_arguments
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
@@ -32,14 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace", default="qwen", help="bundled trace: qwen or gemma (default qwen)")
     demo.add_argument("--budget-cycles", type=_command.positive_float, default=4.0,
                       help="budget in token cycles (k x bytes of one expert per layer, summed); default 4")
-    demo.add_argument("--compute", type=parse_compute, default=NUMPY, metavar="numpy|sleep:MS",
-                      help="the engine's compute per layer: numpy (default: each routed expert's SwiGLU "
-                           "MLP on its own tensors) or sleep:MS (an emulated sleep)")
-    demo.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
-                      help=f"where numpy compute runs: thread (a worker thread, the event loop stays "
-                           f"free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
-    demo.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
-                      help="the same as --compute sleep:MS")
+    add_compute_arguments(demo)
     demo.add_argument("--backend", default="auto")
     demo.add_argument("--policy", default="default")
     demo.add_argument("--compare", default="lru,handwritten",

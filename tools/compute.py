@@ -49,6 +49,8 @@ import numpy.typing as npt
 
 from iosched import ExpertView, StoreError, clock
 
+from . import _command
+
 COMPUTE_ON = ("thread", "loop")
 DEFAULT_COMPUTE_ON = "thread"
 """Where real compute runs by default: a worker thread, as engines that keep their loop free do
@@ -134,6 +136,21 @@ def parse_compute(text: str) -> ComputeSpec:
         if value == value and 0 <= value < float("inf"):
             return ComputeSpec("sleep", value / 1e3)
     raise argparse.ArgumentTypeError(f"{text!r} is not numpy or sleep:MS (MS a number >= 0)")
+
+
+def add_compute_arguments(p: argparse.ArgumentParser, *, prefix: str = "",
+                          default: ComputeSpec | None = NUMPY) -> None:
+    """``--compute``, ``--compute-on`` and ``--compute-ms`` on ``p`` (``iosched demo`` and
+    ``iosched replay``), each help led by ``prefix`` (``"real I/O: "`` where the option applies
+    to one mode only); ``default`` is ``--compute``'s."""
+    p.add_argument("--compute", type=parse_compute, default=default, metavar="numpy|sleep:MS",
+                   help=f"{prefix}the engine's compute per layer: numpy (default: each routed "
+                        f"expert's SwiGLU MLP on its own tensors) or sleep:MS (an emulated sleep)")
+    p.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
+                   help=f"{prefix}where numpy compute runs: thread (a worker thread, the event "
+                        f"loop stays free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
+    p.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
+                   help=f"{prefix}the same as --compute sleep:MS")
 
 
 def parse_compute_model(text: str) -> ComputeModel | None:

@@ -78,7 +78,7 @@ from . import _command
 from ._progress import run_progress
 from ._replay_policies import EXPERIMENTAL, HANDWRITTEN, OFFLINE, VARIANTS
 from .calltrace import DEFAULT_EXPERT_BYTES, is_call_line, load_call_trace_text
-from .compute import COMPUTE_ON, DEFAULT_COMPUTE_ON, parse_compute, parse_compute_model
+from .compute import add_compute_arguments, parse_compute_model
 from .critical_path import DEFAULT_DRIVE_LATENCY_US, DEFAULT_DRIVE_MBPS
 from .trace import (
     PHASE_DECODE,
@@ -802,14 +802,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one expert, for a call trace whose header has no '# layer=' "
                         "lines (default: 1 MiB, reported as sizes_assumed); an error with a "
                         "route_trace v1 CSV, whose header gives the sizes")
-    p.add_argument("--compute", type=parse_compute, default=None, metavar="numpy|sleep:MS",
-                   help="real I/O: the engine's compute per layer: numpy (default: each routed "
-                        "expert's SwiGLU MLP on its own tensors) or sleep:MS (an emulated sleep)")
-    p.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
-                   help=f"real I/O: where numpy compute runs: thread (a worker thread, the event "
-                        f"loop stays free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
-    p.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
-                   help="real I/O: the same as --compute sleep:MS")
+    add_compute_arguments(p, prefix="real I/O: ", default=None)
     p.add_argument("--backend", default="auto", help="real I/O: the store's backend (default auto)")
     p.add_argument("--tokens", type=_command.positive_int, default=None,
                    help="real I/O: stop after this many decode tokens")
