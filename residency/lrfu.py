@@ -81,7 +81,6 @@ class LRFUPolicy(ShapeAware, PrefetchGuard, LookaheadAware, HistoryKeeper):
         """Per layer, the engine's last estimate (``on_expect``), until that layer's batch."""
         self._boosted: dict[Key, object] = {}
         """Resident keys loaded on the engine's estimate, not yet requested: their layer."""
-        self._shaped = False
         self._shape: ModelShape | None = None
         if shape is not None:
             self.set_shape(shape)
@@ -89,12 +88,11 @@ class LRFUPolicy(ShapeAware, PrefetchGuard, LookaheadAware, HistoryKeeper):
     def set_shape(self, shape: ModelShape) -> None:
         self._layers = max(1, len(shape.layers))
         self._shape = shape
-        self._shaped = True
 
     # ------------------------------------------------------------------ the policy
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
-        if not self._shaped:
+        if self._shape is None:
             raise StoreError("policy 'lrfu' needs the model's shape before its first request: "
                              "call set_shape(ModelShape(...)) (the store and iosched replay do)")
         layer = key[0] if isinstance(key, tuple) else None

@@ -304,7 +304,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
             if token < 0:
                 decode_start = clock.now()
                 cpu_start = time.thread_time() - compute.off_clock_cpu_s
-                decode_felt_start = store.stats()["felt_wait_s"]
+                decode_felt_start = felt_now
                 compute_start = compute.seconds
             else:
                 token_felt.append(felt_now - felt_mark)
