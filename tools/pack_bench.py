@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import time
@@ -34,7 +33,7 @@ import numpy as np
 from iosched import ExpertStore, StoreError, backends, pack_checkpoint
 
 from . import _command, _runner
-from .demo import cache_dir
+from .demo import cache_dir, drop_from_page_cache
 
 ARCH = "qwen3moe"
 HIDDEN, INTERMEDIATE = 2048, 768
@@ -81,15 +80,6 @@ def write_source(path: Path, layers: int, experts: int, hidden: int, inter: int,
     return path.stat().st_size
 
 
-def _drop(files: Sequence[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _groups(keys: list[tuple[int, int]], n: int, group: int, rng: np.random.Generator) -> list[list[tuple[int, int]]]:
     """``n`` groups of ``group`` distinct random keys, no two consecutive groups sharing one
     (with a budget of one group, every acquire is then a miss)."""
@@ -113,7 +103,7 @@ async def _arm(source: Path, backend: str, groups: list[list[tuple[int, int]]], 
     finally:
         log.setLevel(level)
     async with store:
-        _drop(store.index.files)
+        drop_from_page_cache(tuple(store.index.files))
         lat = []
         t0 = time.perf_counter()
         for g in groups:
@@ -181,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_s = time.perf_counter() - t0
         if dst.exists():
             shutil.rmtree(dst)
-        _drop([str(src)])
+        drop_from_page_cache((str(src),))
         report = pack_checkpoint(src, dst)
         out = _runner.run(lambda: measure(src, dst, args.backends_list, args.rounds, args.reads, args.group))
     finally:
