@@ -250,6 +250,9 @@ class StoreStats:
     backend_info: Mapping[str, JSONValue]
     policy: str
     policy_fallback: str | None
+    policy_verdict: str | None
+    """What a policy that times its own work concluded (``default``: when and why it left
+    ``moe`` for ``lru``, residency/earned.py); ``None`` while it has concluded nothing."""
     loop: str
     routing_rows: int
     """Token rows of router output observed (``observe_routing``)."""

@@ -29,7 +29,7 @@ from typing import Any
 from iosched import backends
 from iosched.residency import Capability, Entry, ModelShape, Policy, ResidencyTable, make_policy
 
-from . import _routing, _settings, _sizing
+from . import _clock, _routing, _settings, _sizing
 from ._acquire import Acquirer
 from ._autogrow import AutoGrow
 from ._errors import InvariantError, StoreError
@@ -112,6 +112,8 @@ class ExpertStore:
         self._table = table = ResidencyTable(
             parts.budget_bytes, policy, transient_bytes=_transient_bytes(policy, index, parts.budget_bytes),
             shape=shape)
+        if table.hooks.costed is not None:  # a policy that weighs its own CPU reads our clock
+            table.hooks.costed.set_clock(_clock.now)
         self._lifecycle = lifecycle = Lifecycle(index.root)
         self._room = Room()
         self._layer_sizes: dict[int, int] | None = None

@@ -6,8 +6,9 @@ file) decide admission and eviction order, and declare their optional abilities
 builds one by name.  This module's names are the package's interface: the core and the
 tools import them from here, never from its private modules.
 
-Beyond these names, the package's public modules (``belady``, ``lfu``, ``lru``, ``moe``,
-``registry``, ``sketch``, ``wtinylfu``) are its interface too; the ``_``-prefixed modules are
+Beyond these names, the package's public modules (``belady``, ``earned``, ``lfu``, ``lru``,
+``lrfu``, ``moe``, ``registry``, ``sketch``, ``wtinylfu``) are its interface too; the
+``_``-prefixed modules are
 imported from inside the package only, a contract that ``lint-imports`` checks
 (docs/design.md, "Import rules").
 """
@@ -20,6 +21,7 @@ from ._policy import (
     BatchAware,
     BudgetAware,
     Capability,
+    CostAware,
     HistoryKeeper,
     Hooks,
     Key,
@@ -41,6 +43,7 @@ __all__ = [
     "BatchAware",
     "BudgetAware",
     "Capability",
+    "CostAware",
     "Entry",
     "EntryState",
     "HistoryKeeper",

@@ -77,6 +77,14 @@ flag               protocol                   hooks, and who calls them when
                                               (``ExpertStore.expect``: a ``float64 [E]``
                                               array in [0, 1], validated), so the policy can
                                               weigh it with its own prediction and its guard
+``COST``           :class:`CostAware`         ``set_clock(now)``: the store, once, with its
+                                              clock (``iosched/_clock.py``: real time, or the
+                                              critical-path replay's virtual time), so that
+                                              the policy can time its own hooks against the
+                                              felt wait they save; ``cost_verdict``: what it
+                                              concluded (``stats()["policy_verdict"]``).  The
+                                              hit-rate replay gives no clock: there the
+                                              policy measures nothing
 =================  =========================  ==============================================
 """
 
@@ -123,6 +131,7 @@ class Capability(enum.Flag):
     ROUTING = enum.auto()
     HISTORY = enum.auto()
     LOOKAHEAD = enum.auto()
+    COST = enum.auto()
 
 
 class Policy(Protocol):
@@ -214,6 +223,18 @@ class LookaheadAware(Protocol):
 
 
 @runtime_checkable
+class CostAware(Protocol):
+    """``Capability.COST``."""
+
+    def set_clock(self, now: Callable[[], float]) -> None:
+        """The store's clock, in seconds, to time the policy's own work with."""
+
+    @property
+    def cost_verdict(self) -> str | None:
+        """What the policy concluded from its measured cost (``None``: nothing yet)."""
+
+
+@runtime_checkable
 class HistoryKeeper(Protocol):
     """``Capability.HISTORY``."""
 
@@ -237,6 +258,7 @@ _PROTOCOLS: tuple[tuple[Capability, type], ...] = (
     (Capability.ROUTING, RoutingAware),
     (Capability.HISTORY, HistoryKeeper),
     (Capability.LOOKAHEAD, LookaheadAware),
+    (Capability.COST, CostAware),
 )
 
 
@@ -256,6 +278,7 @@ class Hooks:
     on_routing: Callable[[int, npt.NDArray[np.int64]], None] | None = None
     history: HistoryKeeper | None = None
     on_expect: Callable[[int, npt.NDArray[np.float64]], None] | None = None
+    costed: CostAware | None = None
 
     @property
     def rejects_misses(self) -> bool:
@@ -292,4 +315,5 @@ def bind(policy: Policy) -> Hooks:
         on_routing=policy.on_routing if isinstance(policy, RoutingAware) else None,
         history=policy if isinstance(policy, HistoryKeeper) else None,
         on_expect=policy.on_expect if isinstance(policy, LookaheadAware) else None,
+        costed=policy if isinstance(policy, CostAware) else None,
     )

@@ -575,6 +575,19 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
         self._rebuild()
 
+    def resident_by_last_use(self) -> list[tuple[Key, int]]:
+        """The resident experts and their bytes, least recently routed first: a layer's visit
+        count times ``L`` plus its position in the visit order stamps each routing globally
+        (never routed, a prefetch not used yet: first; ties in flat order)."""
+        if self._shape is None:
+            return []
+        idx = np.flatnonzero(self._resident)
+        rows = self._row_of[idx]
+        stamp = self._last.ravel()[idx] * self._L + rows
+        order = idx[np.argsort(stamp, kind="stable")]
+        E, layers = self._E, self._layers
+        return [((layers[i // E], i % E), int(self._size_flat[i])) for i in order.tolist()]
+
     def check(self, keys: set[Key]) -> None:
         require(self._shape is not None or not keys, "unshaped moe policy holds keys")
         if self._shape is None:

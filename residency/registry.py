@@ -7,6 +7,7 @@ from collections.abc import Callable
 from iosched._errors import StoreError
 
 from ._policy import Policy
+from .earned import EarnedPolicy
 from .lfu import LFUPolicy
 from .lrfu import LRFUPolicy
 from .lru import LRUPolicy
@@ -15,9 +16,10 @@ from .wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
-    # "default" is the best policy the project has: the MoE-aware one (residency/moe.py).
+    # "default" is the best policy the project has: the MoE-aware one (residency/moe.py) while
+    # its measured gain in felt wait exceeds its measured cost, then lru (residency/earned.py).
     # It needs the model's shape (set_shape), which the store and iosched replay give it.
-    "default": MoEPolicy,
+    "default": EarnedPolicy,
     "moe": MoEPolicy,
     # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,

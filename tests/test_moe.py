@@ -18,6 +18,7 @@ from iosched.residency import POLICIES, Capability, PrefetchGuard, ResidencyTabl
 from iosched.residency._cooc import CoActivation
 from iosched.residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
 from iosched.residency._policy import Key, ModelShape
+from iosched.residency.earned import EarnedPolicy
 from iosched.residency.lru import LRUPolicy
 from iosched.residency.moe import MoEPolicy
 from tests.conftest import EXPERTS, LAYERS
@@ -63,7 +64,8 @@ def moe(width: int | None = None) -> MoEPolicy:
 
 
 def test_default_is_the_moe_policy_and_needs_a_shape() -> None:
-    assert POLICIES["default"] is MoEPolicy and POLICIES["moe"] is MoEPolicy
+    # "default" is moe until its measured cost exceeds its gain (tests/test_earned.py)
+    assert POLICIES["default"] is EarnedPolicy and POLICIES["moe"] is MoEPolicy
     policy = make_policy("default")
     with pytest.raises(StoreError, match="shape"):
         policy.on_request((0, 1), UNIT, False)
@@ -216,7 +218,7 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
         probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
         one = max(layout.nbytes for layout in probe.index.experts.values())
         async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
-                                          policy="default", experts_per_token=2) as store:
+                                          policy="moe", experts_per_token=2) as store:
             for t in range(12):
                 for layer in range(LAYERS):
                     keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
@@ -231,7 +233,7 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
 
     with _settings.override(prefetch_pacing="none"):
         stats: dict[str, Any] = asyncio.run(main())
-    assert stats["policy"] == "default" and stats["policy_fallback"] is None
+    assert stats["policy"] == "moe" and stats["policy_fallback"] is None
     assert stats["policy_prefetch_batches"] > 0
     # Every proposal was issued or refused by the guard (which weighs measured waits, so the
     # split varies from run to run); none was lost.
@@ -295,7 +297,7 @@ def test_store_paces_policy_prefetch_by_idle_drive_time(st_checkpoint: Path) -> 
             one = max(layout.nbytes for layout in probe.index.experts.values())
             await probe.close()
             async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
-                                              experts_per_token=2) as store:
+                                              experts_per_token=2, policy="moe") as store:
                 for t in range(12):
                     for layer in range(LAYERS):
                         keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
@@ -314,7 +316,8 @@ def test_store_paces_policy_prefetch_by_idle_drive_time(st_checkpoint: Path) -> 
 def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path, tmp_path: Path) -> None:
     """Run 1 routes expert 0 of every layer at every token and writes its history at close;
     run 2 loads it (decayed), pins those experts, and a bad or foreign file is refused by
-    name without being overwritten."""
+    name without being overwritten.  (``moe`` itself: the default's history stops growing
+    where it switches to lru, tests/test_earned.py.)"""
     import asyncio
 
     from iosched.residency import _history
@@ -326,7 +329,7 @@ def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path,
         one = max(layout.nbytes for layout in probe.index.experts.values())
         await probe.close()
         async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 3 * one,
-                                          experts_per_token=2, history=path) as store:
+                                          experts_per_token=2, history=path, policy="moe") as store:
             for t in range(tokens):
                 for layer in range(LAYERS):
                     async with store.acquire_many([(layer, 0), (layer, 1 + t % (EXPERTS - 1))]):
@@ -461,7 +464,7 @@ def test_store_runs_the_policys_batch_end_while_the_engine_computes(st_checkpoin
     import asyncio
 
     async def main() -> None:
-        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30, policy="default",
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30, policy="moe",
                                           experts_per_token=2) as store:
             policy = store._table.policy
             assert isinstance(policy, MoEPolicy)

@@ -144,7 +144,7 @@ def test_replay_hands_the_rows_to_the_policy_unless_keys_only() -> None:
 
 @pytest.mark.asyncio
 async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpoint: Path) -> None:
-    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="moe",
                                       experts_per_token=2) as store:
         rows = np.array([[0, 1], [2, 3], [1, 3]])
         store.observe_routing(0, rows)

@@ -72,6 +72,7 @@ import numpy.typing as npt
 from iosched import BudgetError, InvariantError, StoreError, settings
 from iosched.residency import POLICIES, Capability, Entry, Key, ModelShape, Policy, ResidencyTable, bind, make_policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
+from iosched.residency.earned import EarnedPolicy
 from iosched.residency.moe import MoEPolicy
 
 from . import _command
@@ -271,7 +272,7 @@ def budget_for(trace: RouteTrace, cycles: float) -> int:
 def takes_prefetch_width(name: str) -> bool:
     """Whether ``--prefetch-width`` applies to the policy named ``name`` (the prefetching ones)."""
     factory = POLICIES.get(name)
-    return factory is MoEPolicy
+    return factory is MoEPolicy or factory is EarnedPolicy
 
 
 def build_policy(name: str, reqs: Requests, budget: int, prefetch_width: int | None = None) -> Policy:

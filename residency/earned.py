@@ -1,0 +1,319 @@
+"""``earned``: the default policy. ``moe`` while it earns its cost, then ``lru``.
+
+Why: the objective is the engine's tokens per second. ``moe`` (``residency/moe.py``) makes
+better decisions than LRU: more hits, prefetches that land in the drive's idle time. But its
+Python runs on the engine's critical path. On the 2-core development VM, with real numpy
+compute and 576 KiB experts, it cost more than its extra hits saved in every cell measured:
+0.58-0.88x ``lru``'s tokens/s (docs/benchmarks.md, "Real reads and real compute"). On the
+critical-path replay with compute elsewhere it reached 1.00-1.14x (docs/residency.md). Which
+of the two an engine sees depends on its machine, its compute and its drive. So this policy
+does not guess: it measures both sides, online, and keeps ``moe`` only while it pays.
+
+**What it measures**, on decode batches (at most ``k`` keys of one layer; a prompt's batches
+are not counted):
+
+- *Cost*: the time spent inside ``moe``'s hooks, on the store's clock (``set_clock``).
+  That is real time in a store. In the critical-path replay it is virtual time, so under
+  ``--cpu free`` it is zero there.
+- *Gain*: the misses an LRU of the same budget would have had, less the requests that
+  waited, priced at the felt wait per waiting request. The LRU is a *shadow*: keys and sizes
+  only, run on the same requests. A batch's felt wait is the longest wait of its requests
+  (``on_wait``; its misses load in parallel, so their waits overlap).
+
+Once a token (:data:`WINDOW_TOKENS`), from the :data:`MIN_WINDOWS`-th on, the sums since the
+first counted batch are compared. If the gain does not exceed the cost, the policy switches
+for good to an LRU order. That order is built from ``moe``'s last-use stamps of what is
+resident. From then on it decides exactly as ``lru`` does, free bytes only for the engine's
+lookahead included. ``cost_verdict`` (in ``stats()["policy_verdict"]``) says when the
+switch happened and on what numbers.
+
+Why a one-way switch: after it, ``moe``'s state is no longer fed, so it could not be judged
+again without paying its cost again. An engine whose conditions change opens a new store.
+
+Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is measured and
+nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables of
+``default`` stay what they were.
+
+Constants: :data:`WINDOW_TOKENS` and :data:`MIN_WINDOWS` are structural (see each), not
+fitted to a trace.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._policy import (
+    BatchAware,
+    BudgetAware,
+    Capability,
+    CostAware,
+    HistoryKeeper,
+    Key,
+    LookaheadAware,
+    ModelShape,
+    PrefetchGuard,
+    RoutingAware,
+    ShapeAware,
+    WaitCostAware,
+)
+from .lru import LRUPolicy
+from .moe import MoEPolicy
+
+WINDOW_TOKENS = 1
+"""Decode tokens (``L`` decode batches) per window: the balance is judged once a token."""
+
+MIN_WINDOWS = 2
+"""Windows before the first judgement, which then covers every decode batch since the shadow
+filled: two tokens, so that one token's burst of noise on a drive whose speed swings (the
+development VM's swings 2-4x between minutes) cannot decide alone, and a losing ``moe``
+costs two tokens, not a conversation."""
+
+
+class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,
+                   HistoryKeeper, LookaheadAware, CostAware):
+    name: ClassVar[str] = "earned"
+    capabilities: ClassVar[Capability] = MoEPolicy.capabilities | Capability.COST
+
+    def __init__(self, shape: ModelShape | None = None, prefetch_width: int | None = None) -> None:
+        self._moe = MoEPolicy(None, prefetch_width)
+        self._lru: LRUPolicy | None = None
+        """The LRU order, once switched (``None``: ``moe`` decides)."""
+        self._now: Callable[[], float] | None = None
+        self._shape: ModelShape | None = None
+        self._budget: int | None = None
+        self._verdict: str | None = None
+        self._shadow: OrderedDict[Key, int] = OrderedDict()
+        self._shadow_bytes = 0
+        self._batch_layer: object = None
+        self._batch_keys: set[Key] = set()
+        self._batch_shadow_misses = self._batch_waits = 0
+        self._batch_wait_s = self._cost_s = 0.0
+        """The batch in progress: its shadow misses and waits, and the time taken since the
+        last batch ended."""
+        self._batches = self._shadow_misses = self._waits = 0
+        self._wait_s = self._spent_s = 0.0
+        """The decode batches counted so far, and their sums."""
+        self.windows = 0
+        """Windows judged so far."""
+        self._window = 0
+        if shape is not None:
+            self.set_shape(shape)
+
+    # ------------------------------------------------------------------ set-up hooks
+
+    def set_clock(self, now: Callable[[], float]) -> None:
+        self._now = now
+
+    @property
+    def cost_verdict(self) -> str | None:
+        return self._verdict
+
+    @property
+    def switched(self) -> bool:
+        """Whether the policy decides as ``lru`` now."""
+        return self._lru is not None
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes
+        self._moe.set_budget(budget_bytes)
+        self._trim_shadow()
+
+    def set_shape(self, shape: ModelShape) -> None:
+        self._moe.set_shape(shape)
+        self._shape = shape
+        self._window = WINDOW_TOKENS * len(shape.layers)
+
+    # ------------------------------------------------------------------ the Policy protocol
+
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        lru = self._lru
+        if lru is not None:
+            lru.on_request(key, nbytes, hit)
+            return
+        now = self._now
+        if now is None:
+            self._moe.on_request(key, nbytes, hit)
+            return
+        t0 = now()
+        layer = key[0] if isinstance(key, tuple) and key else None
+        if layer != self._batch_layer or key in self._batch_keys:
+            self._batch_ended()
+            self._batch_layer = layer
+        self._batch_keys.add(key)
+        self._moe.on_request(key, nbytes, hit)
+        shadow = self._shadow
+        if key in shadow:
+            shadow.move_to_end(key)
+        else:
+            self._batch_shadow_misses += 1
+            shadow[key] = nbytes
+            self._shadow_bytes += nbytes
+            self._trim_shadow()
+        self._cost_s += now() - t0
+
+    def _trim_shadow(self) -> None:
+        budget = self._budget
+        if budget is None:
+            return
+        shadow = self._shadow
+        while self._shadow_bytes > budget and shadow:
+            _, n = shadow.popitem(last=False)
+            self._shadow_bytes -= n
+
+    def _batch_ended(self) -> None:
+        """The batch in progress ended (the next request is of another layer, or repeats a
+        key): a decode batch (at most ``k`` keys) counts toward the window, with the cost and
+        waits since the last batch ended; a prompt's batch does not (the engine's prefill is
+        not what tokens/s measures, and its cold misses are alike for both policies)."""
+        n = len(self._batch_keys)
+        if n and self._shape is not None and n <= self._shape.experts_per_token:
+            self._batches += 1
+            self._shadow_misses += self._batch_shadow_misses
+            self._wait_s += self._batch_wait_s
+            self._waits += self._batch_waits
+            self._spent_s += self._cost_s
+            if self._batches % self._window == 0:
+                self._judge()
+        self._batch_keys = set()
+        self._batch_shadow_misses = self._batch_waits = 0
+        self._batch_wait_s = self._cost_s = 0.0
+
+    def _judge(self) -> None:
+        """End of a window: compare the felt wait ``moe`` saved, since the first window,
+        with the time it took."""
+        self.windows += 1
+        if not self._waits and self._shadow_misses:
+            return  # nothing waited that lru would have: a saving there is no price for yet
+        per_wait = self._wait_s / self._waits if self._waits else 0.0
+        gain = (self._shadow_misses - self._waits) * per_wait
+        cost = self._spent_s
+        if self.windows >= MIN_WINDOWS and gain <= cost:
+            self._verdict = (
+                f"lru after {self._batches} decode batches: moe saved {gain * 1e3:.1f} ms of "
+                f"felt wait ({self._waits} waits against an lru shadow's {self._shadow_misses} "
+                f"misses, at {per_wait * 1e3:.2f} ms each) and took {cost * 1e3:.1f} ms")
+            self._switch()
+
+    def _switch(self) -> None:
+        """From now on an LRU order over what is resident, oldest use first by ``moe``'s
+        stamps (a visit count per layer: the global order is visit x L + the layer's
+        position in the visit order)."""
+        lru = LRUPolicy()
+        for key, nbytes in self._moe.resident_by_last_use():
+            lru.on_insert(key, nbytes)
+        self._lru = lru
+        self._shadow.clear()
+
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        return True
+
+    def on_insert(self, key: Key, nbytes: int) -> None:
+        if self._lru is not None:
+            self._lru.on_insert(key, nbytes)
+        else:
+            self._timed(self._moe.on_insert, key, nbytes)
+
+    def on_remove(self, key: Key) -> None:
+        if self._lru is not None:
+            self._lru.on_remove(key)
+        else:
+            self._timed(self._moe.on_remove, key)
+
+    def victims(self) -> Iterator[Key]:
+        if self._lru is not None:
+            return self._lru.victims()
+        if self._now is None:
+            return self._moe.victims()
+        return self._timed_victims(self._now)
+
+    def _timed_victims(self, now: Callable[[], float]) -> Iterator[Key]:
+        walk = self._moe.victims()
+        while True:
+            t0 = now()
+            try:
+                key = next(walk)
+            except StopIteration:
+                self._cost_s += now() - t0
+                return
+            self._cost_s += now() - t0
+            yield key
+
+    def _timed(self, hook: Callable[..., object], *args: object) -> object:
+        now = self._now
+        if now is None:
+            return hook(*args)
+        t0 = now()
+        try:
+            return hook(*args)
+        finally:
+            self._cost_s += now() - t0
+
+    def check(self, keys: set[Key]) -> None:
+        if self._lru is not None:
+            self._lru.check(keys)
+        else:
+            self._moe.check(keys)
+
+    # ------------------------------------------------------------------ the optional abilities
+
+    def end_batch(self) -> list[Key]:
+        if self._lru is not None:
+            return []
+        now = self._now
+        if now is None:
+            return self._moe.end_batch()
+        t0 = now()
+        try:
+            return self._moe.end_batch()
+        finally:
+            self._cost_s += now() - t0
+
+    def prepare(self) -> None:
+        if self._lru is None:
+            self._timed(self._moe.prepare)
+
+    def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        if self._lru is not None:
+            return not victims  # as the store treats a guard-less lru: free bytes only
+        return bool(self._timed(self._moe.admit_prefetch, key, nbytes, victims))
+
+    def on_wait(self, key: Key, seconds: float) -> None:
+        if self._lru is not None:
+            return
+        self._timed(self._moe.on_wait, key, seconds)
+        if self._now is None or not (seconds >= 0 and seconds < float("inf")):
+            return
+        # the batch's felt wait is its longest request's (its loads overlap); every request
+        # that waited is a miss the shadow is compared with
+        self._batch_waits += 1
+        if seconds > self._batch_wait_s:
+            self._batch_wait_s = seconds
+
+    def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
+        if self._lru is None:
+            self._timed(self._moe.on_routing, layer, rows)
+        elif self._shape is not None and layer not in self._shape.layers:
+            self._moe.on_routing(layer, rows)  # the same refusal as before the switch
+
+    def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
+        if self._lru is None:
+            self._timed(self._moe.on_expect, layer, probabilities)
+
+    def history(self) -> dict[str, npt.NDArray[np.generic]]:
+        """``moe``'s history: what it learned until the switch, if there was one."""
+        return self._moe.history()
+
+    def load_history(self, arrays: Mapping[str, npt.NDArray[np.generic]], source: str) -> None:
+        self._moe.load_history(arrays, source)
+
+    @property
+    def pinned_experts(self) -> int:
+        return 0 if self._lru is not None else self._moe.pinned_experts
+
+
+__all__ = ["MIN_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]

@@ -1,0 +1,168 @@
+"""The default policy (residency/earned.py): ``moe`` while its measured gain in felt wait
+exceeds the time its hooks take, then ``lru`` for good."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+from iosched import ExpertStore
+from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
+from iosched.residency.earned import MIN_WINDOWS, EarnedPolicy
+from iosched.residency.lru import LRUPolicy
+from iosched.residency.moe import MoEPolicy
+from tests.test_moe import SHAPE, TD, UNIT, drive
+
+
+class StepClock:
+    """A clock that moves ``step`` seconds at every reading: each timed hook then costs
+    ``step`` (it reads the clock twice), whatever the machine."""
+
+    def __init__(self, step: float) -> None:
+        self.t = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def routed_tokens(n: int, seed: int = 7) -> list[list[list[int]]]:
+    """Tokens of a skewed routing (k = 2 of 8 per layer, experts 0-2 favoured)."""
+    rng = random.Random(seed)
+    weights = [8, 6, 4, 1, 1, 1, 1, 1]
+    out = []
+    for _ in range(n):
+        token = []
+        for _layer in SHAPE.layers:
+            picks: list[int] = []
+            while len(picks) < SHAPE.experts_per_token:
+                e = rng.choices(range(SHAPE.n_expert), weights)[0]
+                if e not in picks:
+                    picks.append(e)
+            token.append(picks)
+        out.append(token)
+    return out
+
+
+def drive_waiting(table: ResidencyTable, tokens: list[list[list[int]]], wait_s: float) -> list[bool]:
+    """As ``tests.test_moe.drive`` without prefetch, each miss felt as ``wait_s``."""
+    hits: list[bool] = []
+    policy = table.policy
+    for token in tokens:
+        for layer, experts in enumerate(token):
+            for e in experts:
+                key = (layer, e)
+                hit = table.get(key) is not None
+                hits.append(hit)
+                policy.on_request(key, UNIT, hit)
+                if not hit:
+                    entry = table.reserve(key, UNIT)
+                    assert entry is not None
+                    table.publish(entry)
+                    policy.on_wait(key, wait_s)  # type: ignore[attr-defined]
+            policy.end_batch()  # type: ignore[attr-defined]
+            policy.prepare()  # type: ignore[attr-defined]
+            table.check()
+    return hits
+
+
+def test_default_is_the_earned_policy_and_declares_what_moe_does_and_cost() -> None:
+    assert POLICIES["default"] is EarnedPolicy
+    assert POLICIES["moe"] is MoEPolicy
+    policy = make_policy("default")
+    assert EarnedPolicy.capabilities == MoEPolicy.capabilities | Capability.COST
+    hooks = bind(policy)
+    assert isinstance(policy, EarnedPolicy) and hooks.costed is not None and hooks.end_batch is not None
+
+
+def test_without_a_clock_it_decides_exactly_as_moe() -> None:
+    """The hit-rate replay gives no clock: every hit and every prefetch as moe's own."""
+    tokens = routed_tokens(60)
+    for budget in (TD // 2, TD, 2 * TD):
+        moe_table = ResidencyTable(budget, MoEPolicy(SHAPE))
+        earned = EarnedPolicy(SHAPE)
+        earned_table = ResidencyTable(budget, earned)
+        assert drive(moe_table, tokens) == drive(earned_table, tokens)
+        assert {e.key for e in moe_table.entries()} == {e.key for e in earned_table.entries()}
+        assert not earned.switched and earned.cost_verdict is None
+
+
+def test_a_moe_that_costs_more_than_it_saves_switches_to_lru_and_says_why() -> None:
+    policy = EarnedPolicy(SHAPE, prefetch_width=0)
+    policy.set_clock(StepClock(0.01))  # 10 ms a hook: far more than any saving below
+    table = ResidencyTable(TD, policy)
+    tokens = routed_tokens(40)
+    drive_waiting(table, tokens[:20], wait_s=1e-4)
+    assert policy.switched
+    verdict = policy.cost_verdict
+    assert verdict is not None and verdict.startswith("lru after") and "took" in verdict
+    assert policy.windows >= MIN_WINDOWS
+    # From now on: LRU's order over what is resident, LRU's decisions.  The twin: an lru
+    # table holding the same experts, reserved oldest first (its order is theirs)
+    lru = LRUPolicy()
+    lru_table = ResidencyTable(TD, lru)
+    order = list(policy.victims())
+    assert set(order) == {e.key for e in table.entries()} and len(order) == len(table)
+    for key in order:
+        twin = lru_table.reserve(key, UNIT)
+        assert twin is not None
+        lru_table.publish(twin)
+    assert list(lru.victims()) == order
+    assert drive_waiting(table, tokens[20:], 1e-4) == drive_waiting_lru(lru_table, tokens[20:])
+    assert list(policy.victims()) == list(lru.victims())
+    assert policy.end_batch() == [] and policy.pinned_experts == 0
+
+
+def drive_waiting_lru(table: ResidencyTable, tokens: list[list[list[int]]]) -> list[bool]:
+    hits: list[bool] = []
+    for token in tokens:
+        for layer, experts in enumerate(token):
+            for e in experts:
+                key = (layer, e)
+                hit = table.get(key) is not None
+                hits.append(hit)
+                table.policy.on_request(key, UNIT, hit)
+                if not hit:
+                    entry = table.reserve(key, UNIT)
+                    assert entry is not None
+                    table.publish(entry)
+            table.check()
+    return hits
+
+
+def test_a_moe_that_saves_more_than_it_costs_stays() -> None:
+    """Free hooks (a clock that never moves) and misses that cost: moe never loses, so it stays."""
+    policy = EarnedPolicy(SHAPE, prefetch_width=0)
+    policy.set_clock(lambda: 0.0)
+    table = ResidencyTable(TD // 2, policy)
+    drive_waiting(table, routed_tokens(40), wait_s=0.01)
+    assert policy.windows >= MIN_WINDOWS
+    # equal misses (gain 0) is not a loss when the cost is 0 either: it stays unless it lost
+    assert not policy.switched or "saved -" in str(policy.cost_verdict)
+
+
+def test_after_the_switch_a_prefetch_takes_free_bytes_only() -> None:
+    policy = EarnedPolicy(SHAPE, prefetch_width=0)
+    policy.set_clock(StepClock(0.01))
+    table = ResidencyTable(TD, policy)
+    drive_waiting(table, routed_tokens(20), wait_s=1e-4)
+    assert policy.switched
+    assert policy.admit_prefetch((0, 7), UNIT, [])
+    assert not policy.admit_prefetch((0, 7), UNIT, [next(iter(policy.victims()))])
+
+
+def test_the_store_hands_its_clock_and_reports_the_verdict(st_checkpoint: Path) -> None:
+    async def main() -> dict[str, Any]:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20,
+                                          experts_per_token=2) as store:
+            policy = store._table.policy
+            assert isinstance(policy, EarnedPolicy) and policy._now is not None
+            async with store.acquire_many([(0, 1), (0, 2)]):
+                pass
+            return store.stats()
+
+    stats = asyncio.run(main())
+    assert stats["policy"] == "default" and stats["policy_verdict"] is None
