@@ -20,12 +20,13 @@ are not counted):
   only, run on the same requests. A batch's felt wait is the longest wait of its requests
   (``on_wait``; its misses load in parallel, so their waits overlap).
 
-Once a token (:data:`WINDOW_TOKENS`), from the :data:`MIN_WINDOWS`-th on, the sums since the
-first counted batch are compared. If the gain does not exceed the cost, the policy switches
-for good to an LRU order. That order is built from ``moe``'s last-use stamps of what is
-resident. From then on it decides exactly as ``lru`` does, free bytes only for the engine's
-lookahead included. ``cost_verdict`` (in ``stats()["policy_verdict"]``) says when the
-switch happened and on what numbers.
+Once a token (:data:`WINDOW_TOKENS`), the sums since the first counted batch are compared.
+From the :data:`MIN_WINDOWS`-th token on, a ``moe`` that saved no felt wait at all loses;
+from the :data:`SETTLE_WINDOWS`-th on, one whose saving does not exceed its cost loses too.
+On a loss the policy switches for good to an LRU order. That order is built from ``moe``'s
+last-use stamps of what is resident. From then on it decides exactly as ``lru`` does, free
+bytes only for the engine's lookahead included. ``cost_verdict`` (in
+``stats()["policy_verdict"]``) says when the switch happened and on what numbers.
 
 Why a one-way switch: after it, ``moe``'s state is no longer fed, so it could not be judged
 again without paying its cost again. An engine whose conditions change opens a new store.
@@ -34,8 +35,8 @@ Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is 
 nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables of
 ``default`` stay what they were.
 
-Constants: :data:`WINDOW_TOKENS` and :data:`MIN_WINDOWS` are structural (see each), not
-fitted to a trace.
+Constants: :data:`WINDOW_TOKENS` is structural; :data:`MIN_WINDOWS` and
+:data:`SETTLE_WINDOWS` come from one measured learning curve of ``moe`` (see each).
 """
 
 from __future__ import annotations
@@ -67,11 +68,16 @@ from .moe import MoEPolicy
 WINDOW_TOKENS = 1
 """Decode tokens (``L`` decode batches) per window: the balance is judged once a token."""
 
-MIN_WINDOWS = 2
-"""Windows before the first judgement, which then covers every decode batch since the shadow
-filled: two tokens, so that one token's burst of noise on a drive whose speed swings (the
-development VM's swings 2-4x between minutes) cannot decide alone, and a losing ``moe``
-costs two tokens, not a conversation."""
+MIN_WINDOWS = 3
+"""Windows before the first judgement, which then asks only whether ``moe`` saved any felt
+wait at all: three tokens, past the dip of its first two (measured on the critical path:
+qwen, 2.25 MiB experts, 1.5 GB/s, compute 5 ms a layer elsewhere, its saving since the first
+decode batch was -9 ms at the 2nd token, +38 ms at the 3rd)."""
+
+SETTLE_WINDOWS = 8
+"""Windows from which the judgement asks whether the saving exceeds the cost: eight tokens,
+the time ``moe`` takes to learn the decode's co-activations (same run: its saving overtook its
+cost at the 6th token, 196 against 134 ms, and reached 3.2x its cost by the 32nd)."""
 
 
 class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,
@@ -91,13 +97,17 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         self._shadow_bytes = 0
         self._batch_layer: object = None
         self._batch_keys: set[Key] = set()
-        self._batch_shadow_misses = self._batch_waits = 0
-        self._batch_wait_s = self._cost_s = 0.0
-        """The batch in progress: its shadow misses and waits, and the time taken since the
-        last batch ended."""
-        self._batches = self._shadow_misses = self._waits = 0
-        self._wait_s = self._spent_s = 0.0
-        """The decode batches counted so far, and their sums."""
+        self._batch_shadow_misses = self._batch_misses = 0
+        self._batch_missed: set[Key] = set()
+        self._batch_joined = False
+        self._batch_felt_s = self._cost_s = 0.0
+        """The batch in progress: its shadow's misses and its own (requests that found their
+        expert neither resident nor loading), whether a request joined a load in flight (a
+        prefetch not finished), its felt wait, and the time taken since the last batch ended."""
+        self._batches = self._shadow_misses = self._misses = self._priced_misses = 0
+        self._felt_s = self._priced_felt_s = self._spent_s = 0.0
+        """The decode batches counted so far, and their sums; *priced*: the batches with a miss
+        and no join, whose felt wait is their misses' alone."""
         self.windows = 0
         """Windows judged so far."""
         self._window = 0
@@ -146,6 +156,9 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             self._batch_layer = layer
         self._batch_keys.add(key)
         self._moe.on_request(key, nbytes, hit)
+        if not hit:
+            self._batch_misses += 1
+            self._batch_missed.add(key)
         shadow = self._shadow
         if key in shadow:
             shadow.move_to_end(key)
@@ -174,29 +187,40 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         if n and self._shape is not None and n <= self._shape.experts_per_token:
             self._batches += 1
             self._shadow_misses += self._batch_shadow_misses
-            self._wait_s += self._batch_wait_s
-            self._waits += self._batch_waits
+            self._misses += self._batch_misses
+            self._felt_s += self._batch_felt_s
+            if self._batch_misses and not self._batch_joined:
+                self._priced_misses += self._batch_misses
+                self._priced_felt_s += self._batch_felt_s
             self._spent_s += self._cost_s
             if self._batches % self._window == 0:
                 self._judge()
         self._batch_keys = set()
-        self._batch_shadow_misses = self._batch_waits = 0
-        self._batch_wait_s = self._cost_s = 0.0
+        self._batch_shadow_misses = self._batch_misses = 0
+        self._batch_missed = set()
+        self._batch_joined = False
+        self._batch_felt_s = self._cost_s = 0.0
 
     def _judge(self) -> None:
         """End of a window: compare the felt wait ``moe`` saved, since the first window,
         with the time it took."""
         self.windows += 1
-        if not self._waits and self._shadow_misses:
-            return  # nothing waited that lru would have: a saving there is no price for yet
-        per_wait = self._wait_s / self._waits if self._waits else 0.0
-        gain = (self._shadow_misses - self._waits) * per_wait
+        if self._priced_misses:
+            per_miss = self._priced_felt_s / self._priced_misses
+        elif self._misses:
+            per_miss = self._felt_s / self._misses
+        elif self._shadow_misses:
+            return  # nothing missed that lru would have: a saving there is no price for yet
+        else:
+            per_miss = 0.0
+        gain = self._shadow_misses * per_miss - self._felt_s
         cost = self._spent_s
-        if self.windows >= MIN_WINDOWS and gain <= cost:
+        if (self.windows >= SETTLE_WINDOWS and gain <= cost) or (self.windows >= MIN_WINDOWS and gain <= 0):
             self._verdict = (
                 f"lru after {self._batches} decode batches: moe saved {gain * 1e3:.1f} ms of "
-                f"felt wait ({self._waits} waits against an lru shadow's {self._shadow_misses} "
-                f"misses, at {per_wait * 1e3:.2f} ms each) and took {cost * 1e3:.1f} ms")
+                f"felt wait ({self._misses} misses and {self._felt_s * 1e3:.1f} ms felt against an "
+                f"lru shadow's {self._shadow_misses} misses at {per_miss * 1e3:.2f} ms each) and "
+                f"took {cost * 1e3:.1f} ms")
             self._switch()
 
     def _switch(self) -> None:
@@ -290,9 +314,10 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             return
         # the batch's felt wait is its longest request's (its loads overlap); every request
         # that waited is a miss the shadow is compared with
-        self._batch_waits += 1
-        if seconds > self._batch_wait_s:
-            self._batch_wait_s = seconds
+        if key not in self._batch_missed:
+            self._batch_joined = True
+        if seconds > self._batch_felt_s:
+            self._batch_felt_s = seconds
 
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
         if self._lru is None:
@@ -316,4 +341,4 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         return 0 if self._lru is not None else self._moe.pinned_experts
 
 
-__all__ = ["MIN_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]
+__all__ = ["MIN_WINDOWS", "SETTLE_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]
