@@ -12,7 +12,8 @@ does not guess: it measures both sides, online, and keeps ``moe`` only while it 
 **What it measures**, on decode batches (at most ``k`` keys of one layer; a prompt's batches
 are not counted):
 
-- *Cost*: the time spent inside ``moe``'s hooks, on the store's clock (``set_clock``).
+- *Cost*: the time spent inside ``moe``'s hooks, on the store's clock (``set_clock``); the
+  shadow's own bookkeeping (an ordered-dict move per request) is counted with it.
   That is real time in a store. In the critical-path replay it is virtual time, so under
   ``--cpu free`` it is zero there.
 - *Gain*: the misses an LRU of the same budget would have had, less the requests that
@@ -20,13 +21,18 @@ are not counted):
   only, run on the same requests. A batch's felt wait is the longest wait of its requests
   (``on_wait``; its misses load in parallel, so their waits overlap).
 
-Once a token (:data:`WINDOW_TOKENS`), the sums since the first counted batch are compared.
-From the :data:`MIN_WINDOWS`-th token on, a ``moe`` that saved no felt wait at all loses;
-from the :data:`SETTLE_WINDOWS`-th on, one whose saving does not exceed its cost loses too.
-On a loss the policy switches for good to an LRU order. That order is built from ``moe``'s
-last-use stamps of what is resident. From then on it decides exactly as ``lru`` does, free
-bytes only for the engine's lookahead included. ``cost_verdict`` (in
-``stats()["policy_verdict"]``) says when the switch happened and on what numbers.
+Once a token (:data:`WINDOW_TOKENS`), from the :data:`MIN_WINDOWS`-th on, the sums since the
+first counted batch are compared. If the saving does not exceed the cost, the policy switches
+for good to an LRU order. That order is built from ``moe``'s last-use stamps of what is
+resident. From then on it decides exactly as ``lru`` does, free bytes only for the engine's
+lookahead included. ``cost_verdict`` (in ``stats()["policy_verdict"]``) says when the switch
+happened and on what numbers.
+
+The cost counts all of ``moe``'s hook time, the batch-end work that runs while the engine
+computes included. That is right where the engine's compute shares the cores and the GIL
+with the store (with compute in a thread on the 2-core VM, ``moe`` doubled the compute's
+time), and too much where that work would have been free (a GPU engine): there the rule
+errs toward ``lru``.
 
 Why a one-way switch: after it, ``moe``'s state is no longer fed, so it could not be judged
 again without paying its cost again. An engine whose conditions change opens a new store.
@@ -35,8 +41,7 @@ Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is 
 nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables of
 ``default`` stay what they were.
 
-Constants: :data:`WINDOW_TOKENS` is structural; :data:`MIN_WINDOWS` and
-:data:`SETTLE_WINDOWS` come from one measured learning curve of ``moe`` (see each).
+Constants: :data:`WINDOW_TOKENS` is structural; :data:`MIN_WINDOWS` was measured (see it).
 """
 
 from __future__ import annotations
@@ -68,16 +73,16 @@ from .moe import MoEPolicy
 WINDOW_TOKENS = 1
 """Decode tokens (``L`` decode batches) per window: the balance is judged once a token."""
 
-MIN_WINDOWS = 3
-"""Windows before the first judgement, which then asks only whether ``moe`` saved any felt
-wait at all: three tokens, past the dip of its first two (measured on the critical path:
-qwen, 2.25 MiB experts, 1.5 GB/s, compute 5 ms a layer elsewhere, its saving since the first
-decode batch was -9 ms at the 2nd token, +38 ms at the 3rd)."""
-
-SETTLE_WINDOWS = 8
-"""Windows from which the judgement asks whether the saving exceeds the cost: eight tokens,
-the time ``moe`` takes to learn the decode's co-activations (same run: its saving overtook its
-cost at the 6th token, 196 against 134 ms, and reached 3.2x its cost by the 32nd)."""
+MIN_WINDOWS = 2
+"""Windows (tokens) before the first judgement.  Two, measured both ways on the 2-core VM
+(docs/residency.md, "`default`"; 4 rounds each, 576 KiB experts, real compute).  Judged from
+the 2nd token, ``default`` ran at 0.80-1.00x ``lru`` with real reads (0.93-1.00x with compute
+in a thread) and at 0.96-1.14x on the critical path.  Judged later (whether it saved anything
+at all from the 3rd token, whether the saving paid for its hooks from the 8th: ``moe``'s
+saving on the critical path dips at the 2nd token and overtakes its cost at the 6th), it
+kept more of ``moe``'s wins on the critical path (1 cell of 48 below 0.97x instead of 3) and
+ran ``moe`` for up to 8 tokens in the real runs (0.81-1.01x ``lru`` with compute in a
+thread)."""
 
 
 class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,
@@ -215,7 +220,7 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             per_miss = 0.0
         gain = self._shadow_misses * per_miss - self._felt_s
         cost = self._spent_s
-        if (self.windows >= SETTLE_WINDOWS and gain <= cost) or (self.windows >= MIN_WINDOWS and gain <= 0):
+        if self.windows >= MIN_WINDOWS and gain <= cost:
             self._verdict = (
                 f"lru after {self._batches} decode batches: moe saved {gain * 1e3:.1f} ms of "
                 f"felt wait ({self._misses} misses and {self._felt_s * 1e3:.1f} ms felt against an "
@@ -341,4 +346,4 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         return 0 if self._lru is not None else self._moe.pinned_experts
 
 
-__all__ = ["MIN_WINDOWS", "SETTLE_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]
+__all__ = ["MIN_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]

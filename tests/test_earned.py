@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from iosched import ExpertStore
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency.earned import MIN_WINDOWS, EarnedPolicy
@@ -166,3 +168,23 @@ def test_the_store_hands_its_clock_and_reports_the_verdict(st_checkpoint: Path) 
 
     stats = asyncio.run(main())
     assert stats["policy"] == "default" and stats["policy_verdict"] is None
+
+
+@pytest.mark.parametrize("windows, shadow_misses, felt_ms, cost_ms, switches", [
+    (0, 100, 150.0, 0.0, False),     # the 1st token is not judged, even a loss
+    (1, 100, 150.0, 0.0, True),      # the 2nd: no saving at all (100 priced at 1 ms, 150 felt)
+    (1, 100, 90.0, 50.0, True),      # a saving (10 ms) that does not pay for its hooks (50)
+    (1, 100, 40.0, 50.0, False),     # 60 ms saved for 50 taken: it stays
+    (5, 100, 40.0, 70.0, True),      # and is judged again every token, on the sums since the start
+])
+def test_the_judgement_asks_from_the_2nd_token_whether_the_saving_pays_for_the_hooks(
+        windows: int, shadow_misses: int, felt_ms: float, cost_ms: float, switches: bool) -> None:
+    policy = EarnedPolicy(SHAPE)
+    policy.set_clock(lambda: 0.0)
+    policy.windows = windows  # the judgement about to run is the (windows + 1)-th
+    policy._shadow_misses, policy._misses = shadow_misses, 90
+    policy._priced_misses, policy._priced_felt_s = 90, 0.090  # 1 ms a miss
+    policy._felt_s, policy._spent_s = felt_ms / 1e3, cost_ms / 1e3
+    policy._judge()
+    assert policy.switched == switches
+    assert (policy.cost_verdict is not None) == switches

@@ -78,9 +78,10 @@ class SoakConfig:
     seed: int = 0
     layers: int = 8
     experts: int = 32
-    policy: str = "default"
-    """The residency policy; the store is told k = ``group`` (the largest batch), so the
-    default is the moe policy with its prefetches and their pacing, under the faults."""
+    policy: str = "moe"
+    """The residency policy; the store is told k = ``group`` (the largest batch).  ``moe``:
+    its prefetches and their pacing run under the faults all along (``default`` may switch
+    to lru after a few tokens when moe does not pay, residency/earned.py)."""
     verify: bool = False
     """Open with ``verify="reads"`` (the manifest is written on first use)."""
     corrupt_rate: float = 0.0
