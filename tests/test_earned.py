@@ -49,28 +49,6 @@ def routed_tokens(n: int, seed: int = 7) -> list[list[list[int]]]:
     return out
 
 
-def drive_waiting(table: ResidencyTable, tokens: list[list[list[int]]], wait_s: float) -> list[bool]:
-    """As ``tests.test_moe.drive`` without prefetch, each miss felt as ``wait_s``."""
-    hits: list[bool] = []
-    policy = table.policy
-    for token in tokens:
-        for layer, experts in enumerate(token):
-            for e in experts:
-                key = (layer, e)
-                hit = table.get(key) is not None
-                hits.append(hit)
-                policy.on_request(key, UNIT, hit)
-                if not hit:
-                    entry = table.reserve(key, UNIT)
-                    assert entry is not None
-                    table.publish(entry)
-                    policy.on_wait(key, wait_s)  # type: ignore[attr-defined]
-            policy.end_batch()  # type: ignore[attr-defined]
-            policy.prepare()  # type: ignore[attr-defined]
-            table.check()
-    return hits
-
-
 def test_default_is_the_earned_policy_and_declares_what_moe_does_and_cost() -> None:
     assert POLICIES["default"] is EarnedPolicy
     assert POLICIES["moe"] is MoEPolicy
@@ -97,7 +75,7 @@ def test_a_moe_that_costs_more_than_it_saves_switches_to_lru_and_says_why() -> N
     policy.set_clock(StepClock(0.01))  # 10 ms a hook: far more than any saving below
     table = ResidencyTable(TD, policy)
     tokens = routed_tokens(40)
-    drive_waiting(table, tokens[:20], wait_s=1e-4)
+    drive(table, tokens[:20], prefetch=False, wait_s=1e-4)
     assert policy.switched
     verdict = policy.cost_verdict
     assert verdict is not None and verdict.startswith("lru after") and "took" in verdict
@@ -113,26 +91,10 @@ def test_a_moe_that_costs_more_than_it_saves_switches_to_lru_and_says_why() -> N
         assert twin is not None
         lru_table.publish(twin)
     assert list(lru.victims()) == order
-    assert drive_waiting(table, tokens[20:], 1e-4) == drive_waiting_lru(lru_table, tokens[20:])
+    assert (drive(table, tokens[20:], prefetch=False, wait_s=1e-4)
+            == drive(lru_table, tokens[20:], prefetch=False, wait_s=1e-4))
     assert list(policy.victims()) == list(lru.victims())
     assert policy.end_batch() == [] and policy.pinned_experts == 0
-
-
-def drive_waiting_lru(table: ResidencyTable, tokens: list[list[list[int]]]) -> list[bool]:
-    hits: list[bool] = []
-    for token in tokens:
-        for layer, experts in enumerate(token):
-            for e in experts:
-                key = (layer, e)
-                hit = table.get(key) is not None
-                hits.append(hit)
-                table.policy.on_request(key, UNIT, hit)
-                if not hit:
-                    entry = table.reserve(key, UNIT)
-                    assert entry is not None
-                    table.publish(entry)
-            table.check()
-    return hits
 
 
 def test_a_moe_that_saves_more_than_it_costs_stays() -> None:
@@ -140,7 +102,7 @@ def test_a_moe_that_saves_more_than_it_costs_stays() -> None:
     policy = EarnedPolicy(SHAPE, prefetch_width=0)
     policy.set_clock(lambda: 0.0)
     table = ResidencyTable(TD // 2, policy)
-    drive_waiting(table, routed_tokens(40), wait_s=0.01)
+    drive(table, routed_tokens(40), prefetch=False, wait_s=0.01)
     assert policy.windows >= MIN_WINDOWS
     # equal misses (gain 0) is not a loss when the cost is 0 either: it stays unless it lost
     assert not policy.switched or "saved -" in str(policy.cost_verdict)
@@ -150,7 +112,7 @@ def test_after_the_switch_a_prefetch_takes_free_bytes_only() -> None:
     policy = EarnedPolicy(SHAPE, prefetch_width=0)
     policy.set_clock(StepClock(0.01))
     table = ResidencyTable(TD, policy)
-    drive_waiting(table, routed_tokens(20), wait_s=1e-4)
+    drive(table, routed_tokens(20), prefetch=False, wait_s=1e-4)
     assert policy.switched
     assert policy.admit_prefetch((0, 7), UNIT, [])
     assert not policy.admit_prefetch((0, 7), UNIT, [next(iter(policy.victims()))])

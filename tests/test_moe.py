@@ -30,11 +30,15 @@ SHAPE = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2,
 TD = SHAPE.token_cycle_bytes  # 8 units
 
 
-def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool = True) -> list[bool]:
+def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool = True,
+          wait_s: float | None = None) -> list[bool]:
     """Replay tokens (per token, per layer, the experts) through ``table`` as tools/replay.py
-    does: request by request, and after each batch the policy's proposals, speculatively."""
+    does: request by request, and after each batch the policy's proposals, speculatively.
+    ``wait_s``: each miss is felt as that long (``on_wait``, as the store reports it; the
+    replay reports none)."""
     hits: list[bool] = []
     policy = table.policy
+    on_wait = table.hooks.on_wait if wait_s is not None else None
     for token in tokens:
         for layer, experts in enumerate(token):
             for e in experts:
@@ -48,7 +52,9 @@ def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool =
                     table.publish(entry)
                     if entry.transient:
                         table.remove(entry)
-            end_batch = getattr(policy, "end_batch", None)
+                    if on_wait is not None and wait_s is not None:
+                        on_wait(key, wait_s)
+            end_batch = table.hooks.end_batch
             if end_batch is not None:
                 for want in end_batch():
                     if prefetch and table.get(want) is None:

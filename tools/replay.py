@@ -72,8 +72,6 @@ import numpy.typing as npt
 from iosched import BudgetError, InvariantError, StoreError, settings
 from iosched.residency import POLICIES, Capability, Entry, Key, ModelShape, Policy, ResidencyTable, bind, make_policy
 from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
-from iosched.residency.earned import EarnedPolicy
-from iosched.residency.moe import MoEPolicy
 
 from . import _command
 from ._progress import run_progress
@@ -270,9 +268,9 @@ def budget_for(trace: RouteTrace, cycles: float) -> int:
 
 
 def takes_prefetch_width(name: str) -> bool:
-    """Whether ``--prefetch-width`` applies to the policy named ``name`` (the prefetching ones)."""
-    factory = POLICIES.get(name)
-    return factory is MoEPolicy or factory is EarnedPolicy
+    """Whether ``--prefetch-width`` applies to the policy named ``name``: the prefetching ones,
+    which declare ``Capability.BATCHES`` (the store's own rule, ``iosched/_store.py``)."""
+    return name in POLICIES and Capability.BATCHES in make_policy(name).capabilities
 
 
 def build_policy(name: str, reqs: Requests, budget: int, prefetch_width: int | None = None) -> Policy:
