@@ -1,4 +1,4 @@
-"""``earned``: the default policy. ``moe`` while it earns its cost, then ``lru``.
+"""``earned``: the default policy. ``moe`` while it earns its cost, then ``coact``.
 
 Why: the objective is the engine's tokens per second. ``moe`` (``residency/moe.py``) makes
 better decisions than LRU: more hits, prefetches that land in the drive's idle time. But its
@@ -23,19 +23,26 @@ are not counted):
 
 Once a token (:data:`WINDOW_TOKENS`), from the :data:`MIN_WINDOWS`-th on, the sums since the
 first counted batch are compared. If the saving does not exceed the cost, the policy switches
-for good to an LRU order. That order is built from ``moe``'s last-use stamps of what is
-resident. From then on it decides exactly as ``lru`` does, free bytes only for the engine's
-lookahead included. ``cost_verdict`` (in ``stats()["policy_verdict"]``) says when the switch
-happened and on what numbers.
+for good to ``coact`` (``residency/coact.py``): LRU's eviction at LRU's cost per request, plus
+a next-layer prefetch that never displaces an expert its layer's last visit routed. It goes on
+from ``moe``'s state (``MoEPolicy.hand_over``): the LRU order from ``moe``'s last-use stamps of
+what is resident, its visit counts, its co-activation table. ``cost_verdict`` (in
+``stats()["policy_verdict"]``) says when the switch happened and on what numbers.
+
+Why ``coact`` and not plain ``lru`` after the switch: on the critical path (compute elsewhere,
+docs/residency.md, "`coact`") ``coact`` was never below ``lru`` by more than the CPU
+measurement's noise and gained up to a few percent where two or more token cycles are held,
+and it costs a few microseconds a request.
 
 The cost counts all of ``moe``'s hook time, the batch-end work that runs while the engine
 computes included. That is right where the engine's compute shares the cores and the GIL
 with the store (with compute in a thread on the 2-core VM, ``moe`` doubled the compute's
 time), and too much where that work would have been free (a GPU engine): there the rule
-errs toward ``lru``.
+errs toward ``coact``.
 
-Why a one-way switch: after it, ``moe``'s state is no longer fed, so it could not be judged
-again without paying its cost again. An engine whose conditions change opens a new store.
+Why a one-way switch: after it, ``moe``'s state is no longer fed (its co-activation table is
+``coact``'s now), so it could not be judged again without paying its cost again. An engine
+whose conditions change opens a new store.
 
 Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is measured and
 nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables of
@@ -67,7 +74,7 @@ from ._policy import (
     ShapeAware,
     WaitCostAware,
 )
-from .lru import LRUPolicy
+from .coact import CoactPolicy
 from .moe import MoEPolicy
 
 WINDOW_TOKENS = 1
@@ -92,8 +99,9 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
 
     def __init__(self, shape: ModelShape | None = None, prefetch_width: int | None = None) -> None:
         self._moe = MoEPolicy(None, prefetch_width)
-        self._lru: LRUPolicy | None = None
-        """The LRU order, once switched (``None``: ``moe`` decides)."""
+        self._after: CoactPolicy | None = None
+        """``coact``, once switched (``None``: ``moe`` decides)."""
+        self._width = prefetch_width
         self._now: Callable[[], float] | None = None
         self._shape: ModelShape | None = None
         self._budget: int | None = None
@@ -102,14 +110,15 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         self._shadow_bytes = 0
         self._batch_layer: object = None
         self._batch_keys: set[Key] = set()
-        self._batch_shadow_misses = self._batch_misses = 0
+        self._batch_shadow_misses = self._batch_misses = self._batch_waits = 0
         self._batch_missed: set[Key] = set()
         self._batch_joined = False
         self._batch_felt_s = self._cost_s = 0.0
         """The batch in progress: its shadow's misses and its own (requests that found their
-        expert neither resident nor loading), whether a request joined a load in flight (a
-        prefetch not finished), its felt wait, and the time taken since the last batch ended."""
-        self._batches = self._shadow_misses = self._misses = self._priced_misses = 0
+        expert neither resident nor loading), its requests that waited (misses and joins),
+        whether a request joined a load in flight (a prefetch not finished), its felt wait,
+        and the time taken since the last batch ended."""
+        self._batches = self._shadow_misses = self._misses = self._priced_misses = self._waits = 0
         self._felt_s = self._priced_felt_s = self._spent_s = 0.0
         """The decode batches counted so far, and their sums; *priced*: the batches with a miss
         and no join, whose felt wait is their misses' alone."""
@@ -126,12 +135,14 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
 
     @property
     def cost_verdict(self) -> str | None:
-        return self._verdict
+        """When and why ``moe`` was left, then what ``coact``'s trial of its prefetch found."""
+        after = self._after.cost_verdict if self._after is not None else None
+        return self._verdict if after is None else f"{self._verdict}; then {after}"
 
     @property
     def switched(self) -> bool:
-        """Whether the policy decides as ``lru`` now."""
-        return self._lru is not None
+        """Whether the policy decides as ``coact`` now."""
+        return self._after is not None
 
     def set_budget(self, budget_bytes: int) -> None:
         self._budget = budget_bytes
@@ -146,9 +157,9 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
     # ------------------------------------------------------------------ the Policy protocol
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
-        lru = self._lru
-        if lru is not None:
-            lru.on_request(key, nbytes, hit)
+        after = self._after
+        if after is not None:
+            after.on_request(key, nbytes, hit)
             return
         now = self._now
         if now is None:
@@ -158,6 +169,9 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         layer = key[0] if isinstance(key, tuple) and key else None
         if layer != self._batch_layer or key in self._batch_keys:
             self._batch_ended()
+            if self._after is not None:  # judged at that batch's end: this request is coact's
+                self._after.on_request(key, nbytes, hit)
+                return
             self._batch_layer = layer
         self._batch_keys.add(key)
         self._moe.on_request(key, nbytes, hit)
@@ -193,6 +207,7 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             self._batches += 1
             self._shadow_misses += self._batch_shadow_misses
             self._misses += self._batch_misses
+            self._waits += self._batch_waits
             self._felt_s += self._batch_felt_s
             if self._batch_misses and not self._batch_joined:
                 self._priced_misses += self._batch_misses
@@ -201,7 +216,7 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             if self._batches % self._window == 0:
                 self._judge()
         self._batch_keys = set()
-        self._batch_shadow_misses = self._batch_misses = 0
+        self._batch_shadow_misses = self._batch_misses = self._batch_waits = 0
         self._batch_missed = set()
         self._batch_joined = False
         self._batch_felt_s = self._cost_s = 0.0
@@ -214,6 +229,11 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             per_miss = self._priced_felt_s / self._priced_misses
         elif self._misses:
             per_miss = self._felt_s / self._misses
+        elif self._waits:
+            # every request that waited joined a load in flight (moe's prefetches, late): the
+            # shadow's misses are priced at those waits, or a moe whose prefetches all came
+            # too late would never be judged (seen: 579 ms of felt wait a token, no miss)
+            per_miss = self._felt_s / self._waits
         elif self._shadow_misses:
             return  # nothing missed that lru would have: a saving there is no price for yet
         else:
@@ -222,40 +242,45 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
         cost = self._spent_s
         if self.windows >= MIN_WINDOWS and gain <= cost:
             self._verdict = (
-                f"lru after {self._batches} decode batches: moe saved {gain * 1e3:.1f} ms of "
+                f"coact after {self._batches} decode batches: moe saved {gain * 1e3:.1f} ms of "
                 f"felt wait ({self._misses} misses and {self._felt_s * 1e3:.1f} ms felt against an "
                 f"lru shadow's {self._shadow_misses} misses at {per_miss * 1e3:.2f} ms each) and "
                 f"took {cost * 1e3:.1f} ms")
             self._switch()
 
     def _switch(self) -> None:
-        """From now on an LRU order over what is resident, oldest use first by ``moe``'s
-        stamps (a visit count per layer: the global order is visit x L + the layer's
-        position in the visit order)."""
-        lru = LRUPolicy()
-        for key, nbytes in self._moe.resident_by_last_use():
-            lru.on_insert(key, nbytes)
-        self._lru = lru
+        """From now on ``coact``, going on from ``moe``'s state: its LRU order over what is
+        resident (oldest use first by ``moe``'s stamps), its visit counts, its co-activation
+        table and pick counts (``MoEPolicy.hand_over``)."""
+        after = CoactPolicy(self._width)
+        if self._budget is not None:
+            after.set_budget(self._budget)
+        if self._now is not None:
+            after.set_clock(self._now)
+        if self._shape is not None:
+            after.set_shape(self._shape)
+            after.adopt(*self._moe.hand_over())
+        self._after = after
         self._shadow.clear()
 
     def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return True
 
     def on_insert(self, key: Key, nbytes: int) -> None:
-        if self._lru is not None:
-            self._lru.on_insert(key, nbytes)
+        if self._after is not None:
+            self._after.on_insert(key, nbytes)
         else:
             self._timed(self._moe.on_insert, key, nbytes)
 
     def on_remove(self, key: Key) -> None:
-        if self._lru is not None:
-            self._lru.on_remove(key)
+        if self._after is not None:
+            self._after.on_remove(key)
         else:
             self._timed(self._moe.on_remove, key)
 
     def victims(self) -> Iterator[Key]:
-        if self._lru is not None:
-            return self._lru.victims()
+        if self._after is not None:
+            return self._after.victims()
         if self._now is None:
             return self._moe.victims()
         return self._timed_victims(self._now)
@@ -283,16 +308,16 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             self._cost_s += now() - t0
 
     def check(self, keys: set[Key]) -> None:
-        if self._lru is not None:
-            self._lru.check(keys)
+        if self._after is not None:
+            self._after.check(keys)
         else:
             self._moe.check(keys)
 
     # ------------------------------------------------------------------ the optional abilities
 
     def end_batch(self) -> list[Key]:
-        if self._lru is not None:
-            return []
+        if self._after is not None:
+            return self._after.end_batch()
         now = self._now
         if now is None:
             return self._moe.end_batch()
@@ -303,35 +328,36 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
             self._cost_s += now() - t0
 
     def prepare(self) -> None:
-        if self._lru is None:
+        if self._after is None:
             self._timed(self._moe.prepare)
 
     def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
-        if self._lru is not None:
-            return not victims  # as the store treats a guard-less lru: free bytes only
+        if self._after is not None:
+            return self._after.admit_prefetch(key, nbytes, victims)
         return bool(self._timed(self._moe.admit_prefetch, key, nbytes, victims))
 
     def on_wait(self, key: Key, seconds: float) -> None:
-        if self._lru is not None:
+        if self._after is not None:
             return
         self._timed(self._moe.on_wait, key, seconds)
         if self._now is None or not (seconds >= 0 and seconds < float("inf")):
             return
         # the batch's felt wait is its longest request's (its loads overlap); every request
         # that waited is a miss the shadow is compared with
+        self._batch_waits += 1
         if key not in self._batch_missed:
             self._batch_joined = True
         if seconds > self._batch_felt_s:
             self._batch_felt_s = seconds
 
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
-        if self._lru is None:
+        if self._after is None:
             self._timed(self._moe.on_routing, layer, rows)
-        elif self._shape is not None and layer not in self._shape.layers:
-            self._moe.on_routing(layer, rows)  # the same refusal as before the switch
+        else:
+            self._after.on_routing(layer, rows)
 
     def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
-        if self._lru is None:
+        if self._after is None:
             self._timed(self._moe.on_expect, layer, probabilities)
 
     def history(self) -> dict[str, npt.NDArray[np.generic]]:
@@ -343,7 +369,7 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
 
     @property
     def pinned_experts(self) -> int:
-        return 0 if self._lru is not None else self._moe.pinned_experts
+        return 0 if self._after is not None else self._moe.pinned_experts
 
 
 __all__ = ["MIN_WINDOWS", "WINDOW_TOKENS", "EarnedPolicy"]

@@ -575,18 +575,30 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
             self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
         self._rebuild()
 
-    def resident_by_last_use(self) -> list[tuple[Key, int]]:
-        """The resident experts and their bytes, least recently routed first: a layer's visit
-        count times ``L`` plus its position in the visit order stamps each routing globally
-        (never routed, a prefetch not used yet: first; ties in flat order)."""
+    def hand_over(self) -> tuple[list[tuple[Key, int]], list[int], CoActivation, F64, dict[Key, int]]:
+        """What a successor policy needs to go on where this one stops (``residency/earned.py``
+        switches to ``coact``): the resident experts, least recently routed first (ties in
+        flat order; a prefetch never routed: first), each with its layer's visit count at
+        that routing; each layer position's visits so far; the co-activation table (shared,
+        not copied); each layer's pick counts plus one pseudo-pick, ``float [L, E]``; and
+        each resident expert's bytes.
+        The batch in progress, if any, is closed first: its experts count as routed.  After
+        this the policy must not be fed again."""
         if self._shape is None:
-            return []
+            raise StoreError("policy 'moe' has no shape: nothing to hand over")
+        self._end_batch()
+        self._learn()  # the cycle's deferred pairs into the shared table
         idx = np.flatnonzero(self._resident)
         rows = self._row_of[idx]
-        stamp = self._last.ravel()[idx] * self._L + rows
-        order = idx[np.argsort(stamp, kind="stable")]
+        last = self._last.ravel()[idx]
+        order = np.argsort(last * self._L + rows, kind="stable")
         E, layers = self._E, self._layers
-        return [((layers[i // E], i % E), int(self._size_flat[i])) for i in order.tolist()]
+        flats = idx[order].tolist()
+        keys: list[Key] = [(layers[i // E], i % E) for i in flats]
+        resident: list[tuple[Key, int]] = [(key, int(v)) for key, v in zip(keys, last[order].tolist(), strict=True)]
+        sizes: dict[Key, int] = {key: int(self._size_flat[i]) for key, i in zip(keys, flats, strict=True)}
+        visits: list[int] = self._visits.tolist()
+        return resident, visits, self._coact, self._count + 1.0, sizes
 
     def check(self, keys: set[Key]) -> None:
         require(self._shape is not None or not keys, "unshaped moe policy holds keys")

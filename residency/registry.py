@@ -7,6 +7,7 @@ from collections.abc import Callable
 from iosched._errors import StoreError
 
 from ._policy import Policy
+from .coact import CoactPolicy
 from .earned import EarnedPolicy
 from .lfu import LFUPolicy
 from .lrfu import LRFUPolicy
@@ -16,11 +17,17 @@ from .wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
-    # "default" is the best policy the project has: the MoE-aware one (residency/moe.py) while
-    # its measured gain in felt wait exceeds its measured cost, then lru (residency/earned.py).
-    # It needs the model's shape (set_shape), which the store and iosched replay give it.
-    "default": EarnedPolicy,
+    # "default" is the policy that measured best where the engine feels it (docs/residency.md):
+    # lru's eviction plus a next-layer prefetch that never displaces a fresh expert and is
+    # turned off when it slows the engine (residency/coact.py).  It needs the model's shape
+    # (set_shape), which the store and iosched replay give it.
+    "default": CoactPolicy,
+    "coact": CoactPolicy,
+    # the MoE-aware hit-density policy, with its co-activation prefetch (residency/moe.py)
     "moe": MoEPolicy,
+    # moe while its measured gain in felt wait exceeds its measured cost, then coact
+    # (residency/earned.py): for engines whose compute leaves the drive idle (a GPU's)
+    "earned": EarnedPolicy,
     # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,
     # a decaying routing rate per byte, the engine's lookahead (residency/lrfu.py)

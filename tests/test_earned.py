@@ -1,5 +1,6 @@
 """The default policy (residency/earned.py): ``moe`` while its measured gain in felt wait
-exceeds the time its hooks take, then ``lru`` for good."""
+exceeds the time its hooks take, then ``coact`` for good (tests/test_coact.py has the
+switch with prefetches on)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ def routed_tokens(n: int, seed: int = 7) -> list[list[list[int]]]:
     return out
 
 
-def test_default_is_the_earned_policy_and_declares_what_moe_does_and_cost() -> None:
-    assert POLICIES["default"] is EarnedPolicy
+def test_earned_declares_what_moe_does_and_cost() -> None:
+    assert POLICIES["earned"] is EarnedPolicy
     assert POLICIES["moe"] is MoEPolicy
-    policy = make_policy("default")
+    policy = make_policy("earned")
     assert EarnedPolicy.capabilities == MoEPolicy.capabilities | Capability.COST
     hooks = bind(policy)
     assert isinstance(policy, EarnedPolicy) and hooks.costed is not None and hooks.end_batch is not None
@@ -70,7 +71,9 @@ def test_without_a_clock_it_decides_exactly_as_moe() -> None:
         assert not earned.switched and earned.cost_verdict is None
 
 
-def test_a_moe_that_costs_more_than_it_saves_switches_to_lru_and_says_why() -> None:
+def test_a_moe_that_costs_more_than_it_saves_switches_to_coact_and_says_why() -> None:
+    """With prefetching off (width 0) coact is lru: after the switch the policy decides
+    exactly as an lru twin holding the same experts in the same order."""
     policy = EarnedPolicy(SHAPE, prefetch_width=0)
     policy.set_clock(StepClock(0.01))  # 10 ms a hook: far more than any saving below
     table = ResidencyTable(TD, policy)
@@ -78,9 +81,9 @@ def test_a_moe_that_costs_more_than_it_saves_switches_to_lru_and_says_why() -> N
     drive(table, tokens[:20], prefetch=False, wait_s=1e-4)
     assert policy.switched
     verdict = policy.cost_verdict
-    assert verdict is not None and verdict.startswith("lru after") and "took" in verdict
+    assert verdict is not None and verdict.startswith("coact after") and "took" in verdict
     assert policy.windows >= MIN_WINDOWS
-    # From now on: LRU's order over what is resident, LRU's decisions.  The twin: an lru
+    # From now on: LRU's order over what is resident (moe's last uses), LRU's decisions.  The twin: an lru
     # table holding the same experts, reserved oldest first (its order is theirs)
     lru = LRUPolicy()
     lru_table = ResidencyTable(TD, lru)
@@ -120,7 +123,7 @@ def test_after_the_switch_a_prefetch_takes_free_bytes_only() -> None:
 
 def test_the_store_hands_its_clock_and_reports_the_verdict(st_checkpoint: Path) -> None:
     async def main() -> dict[str, Any]:
-        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20,
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="earned",
                                           experts_per_token=2) as store:
             policy = store._table.policy
             assert isinstance(policy, EarnedPolicy) and policy._now is not None
@@ -129,7 +132,7 @@ def test_the_store_hands_its_clock_and_reports_the_verdict(st_checkpoint: Path) 
             return store.stats()
 
     stats = asyncio.run(main())
-    assert stats["policy"] == "default" and stats["policy_verdict"] is None
+    assert stats["policy"] == "earned" and stats["policy_verdict"] is None
 
 
 @pytest.mark.parametrize("windows, shadow_misses, felt_ms, cost_ms, switches", [
@@ -150,3 +153,15 @@ def test_the_judgement_asks_from_the_2nd_token_whether_the_saving_pays_for_the_h
     policy._judge()
     assert policy.switched == switches
     assert (policy.cost_verdict is not None) == switches
+
+
+def test_a_moe_whose_every_wait_is_a_join_is_still_judged() -> None:
+    """No request missed (each joined a prefetch still in flight), yet the engine waited: the
+    shadow's misses are priced at those waits, and a moe that saved nothing leaves."""
+    policy = EarnedPolicy(SHAPE)
+    policy.set_clock(lambda: 0.0)
+    policy.windows = 1
+    policy._shadow_misses, policy._misses, policy._waits = 100, 0, 100
+    policy._felt_s, policy._spent_s = 0.5, 0.001
+    policy._judge()
+    assert policy.switched and "saved" in str(policy.cost_verdict)

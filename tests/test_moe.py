@@ -69,10 +69,10 @@ def moe(width: int | None = None) -> MoEPolicy:
     return MoEPolicy(SHAPE, prefetch_width=width)
 
 
-def test_default_is_the_moe_policy_and_needs_a_shape() -> None:
-    # "default" is moe until its measured cost exceeds its gain (tests/test_earned.py)
-    assert POLICIES["default"] is EarnedPolicy and POLICIES["moe"] is MoEPolicy
-    policy = make_policy("default")
+def test_moe_and_earned_are_named_and_need_a_shape() -> None:
+    # "earned" is moe until its measured cost exceeds its gain (tests/test_earned.py)
+    assert POLICIES["earned"] is EarnedPolicy and POLICIES["moe"] is MoEPolicy
+    policy = make_policy("earned")
     with pytest.raises(StoreError, match="shape"):
         policy.on_request((0, 1), UNIT, False)
 

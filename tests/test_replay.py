@@ -464,7 +464,7 @@ def test_help_lists_experimental_policies_apart() -> None:
     helps = {opt: action.help or "" for action in sub.choices["replay"]._actions
              for opt in action.option_strings}
     normal, experimental = helps["--policy"].split("experimental, with --experimental:")
-    assert "one of belady, default, lfu, lrfu, lru, moe, wtinylfu" in normal
+    assert "one of belady, coact, default, earned, lfu, lrfu, lru, moe, wtinylfu" in normal
     assert not any(name in normal for name in EXPERIMENTAL)
     assert experimental.strip() == "belady-bypass, lfu-incache"
     assert "negative results" in helps["--experimental"]
@@ -489,14 +489,15 @@ def test_modules_import_first_in_a_fresh_interpreter(statement: str) -> None:
 
 def test_prefetch_width_and_bytes_moved_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
     """Width 0 is the eviction-only policy: it moves exactly its misses' bytes; the default
-    width prefetches, reports what it loaded, used and wasted, and moves more bytes."""
+    width prefetches, reports what it loaded, used and wasted, and moves more bytes.  (moe:
+    at 1 TD every expert coact holds is fresh, so it prefetches nothing there by design.)"""
     rows = {}
     for width in ("0", None):
-        args = ["gemma", "--simulate", "--cycles", "1", "--policy", "default,lru", "--json"]
+        args = ["gemma", "--simulate", "--cycles", "1", "--policy", "moe,lru", "--json"]
         out = run_json(capsys, args + (["--prefetch-width", width] if width else []))
         check_contract(out)
         rows[width] = {r["policy"]: r for r in out["results"]}
-    off, on = rows["0"]["default"], rows[None]["default"]
+    off, on = rows["0"]["moe"], rows[None]["moe"]
     assert off["prefetch_issued"] == 0 and off["moved_bytes"] == off["miss_bytes"]
     assert off["prefetch_width"] == 0 and "prefetch_width" not in rows["0"]["lru"]
     assert on["prefetch_issued"] > 0 and on["prefetch_used"] > 0

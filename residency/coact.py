@@ -1,0 +1,580 @@
+"""``coact``: LRU's eviction, plus a prefetch of the next layer that pays for its victim.
+
+Why a policy of its own: ``moe`` (``residency/moe.py``) prefetches the next layer into the
+drive's idle time *and* ranks every resident expert by hit density.  On a few cores the
+ranking costs the engine more than its decisions save in the I/O-bound cases (about 0.75 ms
+a layer of miss-path Python in the real runs, docs/benchmarks.md).  This policy keeps the
+prefetch and nothing else, at LRU's cost per request:
+
+- **Eviction** is LRU's: the oldest use goes first (an ``OrderedDict``).
+- **Prediction.** At a decode batch's end (one layer of one token, at most ``k`` experts) the
+  next layer's experts are scored by the cross-layer co-activation of this token's picks
+  (``residency/_cooc.py``, the table ``moe`` learns, shrunk toward the layer's popularity)
+  and the scores corrected by the measured precision (:attr:`calibration`).  The
+  ``prefetch_width`` likeliest (``k`` by default) that are not resident and beat chance
+  (``k / E``) are proposed.
+- **The guard** (``admit_prefetch``).  Into free bytes, any proposal.  Over victims only when
+  every victim is *stale* (its layer's last visit did not route it) and the proposal's
+  probability exceeds the measured probability that a stale victim is asked for at its
+  layer's next visit (:attr:`stale_reuse`: evicted stale keys are remembered, and a miss on
+  one at the next visit counts).  A *fresh* victim is never displaced by a guess.  At a
+  batch's end LRU's oldest fresh experts are the next layer's own, routed one token ago.
+  Displacing them for a guess about the same layer measured worse than not prefetching at one
+  token cycle of budget: 0.966x against 0.984x ``lru``'s tokens/s, critical path, qwen,
+  3 GB/s, compute 1 ms a layer (docs/residency.md, "`coact`").
+- **Where a prefetch goes in the order**: at the *oldest* end.  When its layer's batch comes,
+  a used prefetch is a hit and moves to the newest end like any hit (the store leases a
+  batch's hits before its misses evict), and an unused one is the first victim, so a wrong
+  guess costs one expert's bytes for one layer step and displaces nothing else.
+- **No work that cannot pay**: when the next layer is wholly resident, or no bytes are free
+  and LRU's oldest experts are fresh, no proposal could be admitted, so none is computed (at
+  one token cycle that is most batches; with the whole model resident, every one).
+- **Learning**: the pairs (this token's picks at a layer, at the next) are kept in a list and
+  added to the table once a token (one scatter-add), and a prompt's router rows
+  (``on_routing``) are learned row by row, so the first decode token already predicts.
+
+With compute on the event loop and no await in it, the store skips the batch-end work (the
+next batch begins first, ``iosched/_prefetch.py``) and this policy is LRU plus a visit count
+per request.
+
+Constants: the stale victims' reuse memory (:data:`REUSE_MEMORY`) is structural, like
+``moe``'s horizon; chance (``k / E``) comes from the shape.  Nothing is fitted to a trace.
+
+Invariants (:meth:`check`): the order holds exactly the table's admitted keys with a last use
+never after its layer's visits; the held bytes are theirs; the estimates are probabilities.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from iosched._errors import StoreError, require
+
+from . import _history
+from ._cooc import CoActivation
+from ._policy import (
+    BatchAware,
+    BudgetAware,
+    Capability,
+    CostAware,
+    HistoryKeeper,
+    Key,
+    LookaheadAware,
+    ModelShape,
+    PrefetchGuard,
+    RoutingAware,
+    ShapeAware,
+)
+
+REUSE_MEMORY = 100
+"""Evictions the stale victims' reuse estimate spans (decay 1 - 1/100), as ``moe``'s horizon:
+long enough to smooth single evictions, short enough to follow a budget that grows."""
+
+TRIAL_PAIRS = 8
+"""Pairs of decode tokens (one with the prefetch, one without) the trial runs at most: 16
+tokens, half of the benchmarks' 32, so that what the trial costs (up to 8 tokens without a
+prefetch that pays) stays a few percent of a short run."""
+
+MIN_TRIAL_PAIRS = 3
+"""Pairs before the trial may end early: the fewest from which a standard error means
+anything."""
+
+T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
+"""Student's t, 97.5th percentile, by degrees of freedom (pairs - 1): the trial's threshold in
+standard errors, so that a prefetch that changes nothing is turned off (or kept early) by
+chance in at most 2.5 % of the looks (a normal 2-sigma rule on 3 pairs would in 9 %)."""
+
+
+class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAware, CostAware,
+                  HistoryKeeper, LookaheadAware):
+    name: ClassVar[str] = "coact"
+    capabilities: ClassVar[Capability] = (Capability.BUDGET | Capability.SHAPE | Capability.BATCHES
+                                          | Capability.PREFETCH_GUARD | Capability.ROUTING
+                                          | Capability.COST | Capability.HISTORY
+                                          | Capability.LOOKAHEAD)
+
+    def __init__(self, prefetch_width: int | None = None) -> None:
+        """``prefetch_width``: experts proposed per batch at most; ``None`` is ``k``; 0 turns
+        prefetching off (then it decides exactly as ``lru``)."""
+        if prefetch_width is not None and (isinstance(prefetch_width, bool)
+                                           or not isinstance(prefetch_width, int) or prefetch_width < 0):
+            raise StoreError(f"policy 'coact': prefetch_width must be an integer >= 0, got {prefetch_width!r}")
+        self._width_setting = prefetch_width
+        self._width = 0
+        self._order: OrderedDict[Key, int] = OrderedDict()
+        """Resident keys, oldest use first, and their layer's visit count at that use."""
+        self._bytes: dict[Key, int] = {}
+        self._held = 0
+        self._resident_in: list[int] = []
+        """Per layer position: how many of its experts are resident."""
+        self._budget: int | None = None
+        self._pos: dict[int, int] = {}
+        self._layers: tuple[int, ...] = ()
+        self._L = self._E = self._k = 0
+        self._expert_bytes: list[int] = []
+        self._coact: CoActivation | None = None
+        self._popular = np.zeros((0, 0))
+        """Per layer position and expert: its picks, plus one pseudo-pick."""
+        self._visits: list[int] = []
+        """Per layer position: its visits begun so far."""
+        self._batch_pos = -1
+        self._batch: list[int] = []
+        self._prev: tuple[int, list[int]] | None = None
+        """The last complete decode batch: its position and picks."""
+        self._pairs: list[tuple[int, Sequence[int], Sequence[int]]] = []
+        self._picked: list[tuple[int, list[int]]] = []
+        """This token's decode batches so far, learned at its end (:meth:`_learn`)."""
+        self._rows: tuple[int, npt.NDArray[np.int64]] | None = None
+        self._proposed: dict[Key, tuple[float, float]] = {}
+        """The last batch end's proposals: their calibrated and raw probabilities."""
+        self._admitting: Key | None = None
+        self._expected: dict[int, npt.NDArray[np.float64]] = {}
+        """The engine's lookahead (``on_expect``) per layer position, until its batch begins."""
+        self._ghosts: OrderedDict[Key, int] = OrderedDict()
+        """Evicted stale keys, and their layer's visit count when they left."""
+        self._evicted = 1.0
+        self._reused = 0.0
+        """Stale evictions, and those asked for at their layer's next visit (decayed; one
+        pseudo-eviction, reused at chance, from ``set_shape``)."""
+        self._guesses: dict[Key, float | None] = {}
+        """Prefetches admitted and not yet used or evicted, with their raw probability
+        (``None``: the engine's, which the calibration leaves out)."""
+        self._guessed_p = self._guessed_used = 0.0
+        """Of the prefetches resolved (used, or evicted unused): the sum of their raw
+        probabilities and how many were used."""
+        self._now: Callable[[], float] | None = None
+        self._prefetching = True
+        """Whether the prefetch is on: for good after the trial, per token during it."""
+        self._trial: list[float] | None = None
+        """While the trial runs: per pair of decode tokens, ``net`` (see :meth:`_token_done`)."""
+        self._decode_tokens = 0
+        self._token_start: float | None = None
+        self._gap_start: float | None = None
+        """When the last batch ended (its leases held), until the next batch's first request."""
+        self._tok_gaps_s = 0.0
+        self._tok_misses = self._tok_used = 0
+        """The token in progress: its time between batches, misses and used prefetches."""
+        self._pair_on: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
+        self._pair_off: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
+        self._verdict: str | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def set_budget(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes
+
+    def set_clock(self, now: Callable[[], float]) -> None:
+        """The store's clock: decode tokens are timed and the trial runs (see
+        :meth:`_token_done`).  Without one (the hit-rate replay) the prefetch is always on."""
+        self._now = now
+        if self._width and self._verdict is None:
+            self._trial = []
+
+    @property
+    def cost_verdict(self) -> str | None:
+        return self._verdict
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the coming batch ends may propose prefetches."""
+        return self._prefetching and bool(self._width)
+
+    def set_shape(self, shape: ModelShape) -> None:
+        self._layers = tuple(shape.layers)
+        self._pos = {layer: i for i, layer in enumerate(self._layers)}
+        self._L, self._E, self._k = len(self._layers), shape.n_expert, shape.experts_per_token
+        self._expert_bytes = [shape.expert_bytes[layer] for layer in self._layers]
+        self._coact = CoActivation(self._L, self._E)
+        self._popular = np.ones((self._L, self._E))
+        self._visits = [0] * self._L
+        self._resident_in = [0] * self._L
+        self._reused = self._k / self._E
+        self._width = self._k if self._width_setting is None else self._width_setting
+
+    def adopt(self, resident: Sequence[tuple[Key, int]], visits: Sequence[int],
+              coactivation: CoActivation, popularity: npt.NDArray[np.float64],
+              sizes: dict[Key, int]) -> None:
+        """Go on from a predecessor's state (``MoEPolicy.hand_over``, when ``default`` stops
+        paying for ``moe``): the resident keys least recently routed first, each with its
+        layer's visit count at that routing; the visits of each layer position; the
+        co-activation table (taken over, not copied); the pick counts per layer (with a
+        pseudo-pick each); each resident key's bytes.  After ``set_shape``, before requests."""
+        require(bool(self._pos), "coact: adopt before set_shape")
+        require(len(visits) == self._L and popularity.shape == (self._L, self._E)
+                and (coactivation.n_layers, coactivation.n_expert) == (self._L, self._E),
+                "coact: the state to adopt is of another shape")
+        self._visits = [int(v) for v in visits]
+        self._order = OrderedDict((key, int(used)) for key, used in resident)
+        self._bytes = {key: sizes[key] for key in self._order}
+        self._held = sum(self._bytes.values())
+        self._resident_in = [0] * self._L
+        for key in self._order:
+            self._resident_in[self._position(key)] += 1
+        self._coact = coactivation
+        self._popular = np.array(popularity, dtype=np.float64)
+
+    @property
+    def stale_reuse(self) -> float:
+        """The measured probability that an evicted stale expert (one its layer's last visit
+        did not route) is asked for at its layer's next visit."""
+        return self._reused / self._evicted
+
+    @property
+    def calibration(self) -> float:
+        """Used prefetches per unit of predicted probability, over the resolved ones: corrects
+        the co-activation's estimate for the experts it is asked about, those LRU does not
+        hold.  One pseudo-observation at 1.0 before any was resolved."""
+        return (self._guessed_used + 1.0) / (self._guessed_p + 1.0)
+
+    def _position(self, key: Key) -> int:
+        try:
+            return self._pos[key[0]]  # type: ignore[index]
+        except (KeyError, TypeError, IndexError):
+            raise StoreError(f"policy 'coact': key {key!r} is not (layer, expert) of a MoE "
+                             f"layer of the model's shape") from None
+
+    def _expert(self, key: Key) -> int:
+        expert = key[1] if isinstance(key, tuple) and len(key) == 2 else None
+        if type(expert) is not int or not 0 <= expert < self._E:
+            raise StoreError(f"policy 'coact': key {key!r} is not (layer, expert) with an expert "
+                             f"in 0..{self._E - 1}")
+        return expert
+
+    # ------------------------------------------------------------------ the Policy protocol
+
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        if not self._pos:
+            raise StoreError("policy 'coact' needs the model's shape (set_shape) before requests")
+        p = self._position(key)
+        expert = self._expert(key)
+        if p != self._batch_pos or expert in self._batch:
+            decode = self._close_batch()
+            if self._now is not None:
+                if self._gap_start is not None:
+                    self._tok_gaps_s += self._now() - self._gap_start
+                    self._gap_start = None
+                if p == 0:
+                    self._token_begins(decode)
+            self._batch_pos = p
+            self._visits[p] += 1
+            if self._expected:
+                self._expected.pop(p, None)
+        self._batch.append(expert)
+        if hit:
+            order = self._order
+            if key in order:
+                order[key] = self._visits[p]
+                order.move_to_end(key)
+            if key in self._guesses:
+                guess = self._guesses.pop(key)
+                self._tok_used += 1
+                if guess is not None:
+                    self._guessed_p += guess
+                    self._guessed_used += 1.0
+        else:
+            self._tok_misses += 1
+            left = self._ghosts.pop(key, None)
+            if left is not None and self._visits[p] - left <= 1:
+                self._reused += 1.0
+
+    def _close_batch(self) -> bool:
+        """End the batch in progress; whether it was a decode batch (at most ``k`` keys)."""
+        batch, pos = self._batch, self._batch_pos
+        decode = bool(batch) and len(batch) <= self._k
+        if decode:
+            prev = self._prev
+            if prev is not None and prev[0] == pos - 1:
+                self._pairs.append((prev[0], prev[1], batch))
+            self._picked.append((pos, batch))
+            self._prev = (pos, batch)
+            if pos == self._L - 1:
+                self._learn()
+        elif batch:
+            self._prev = None  # a prompt's batch: its union pairs nothing
+        self._batch = []
+        self._batch_pos = -1
+        return decode
+
+    def _token_begins(self, after_decode: bool) -> None:
+        """The first layer's batch begins: the token before it (if a decode token) is judged
+        by the trial, and this one's arm is set."""
+        if self._now is None:
+            return
+        now = self._now()
+        if after_decode and self._token_start is not None:
+            self._token_done(now - self._token_start)
+        self._token_start = now
+        self._tok_gaps_s = 0.0
+        self._tok_misses = self._tok_used = 0
+        if self._trial is not None:
+            # ABBA: on, off, off, on, ... so that a drift in the drive's speed cancels
+            self._prefetching = (self._decode_tokens % 4) in (0, 3)
+
+    def _token_done(self, seconds: float) -> None:
+        """A decode token took ``seconds`` (its first layer's request to the next token's).
+
+        **The trial.**  A prefetch saves felt wait and costs time elsewhere.  On a few cores
+        that includes the engine's own compute: reader threads and the event loop take the
+        GIL and the cores from a compute thread (``moe``'s prefetching doubled the compute's
+        time, docs/benchmarks.md), and no accounting inside the store sees it.  What the
+        policy can see is the engine's time *between* batches, from a batch end (its leases
+        held) to the next batch's first request: the compute, slowed or not.  So the tokens
+        of the first :data:`TRIAL_PAIRS` pairs alternate (ABBA) between prefetching and not,
+        and each pair gives
+
+            net = (time between batches, with) - (without) - used prefetches x price,
+
+        the price of a miss being the token's time outside compute per miss, measured on the
+        token without.  If the mean ``net`` is above zero by more than :data:`T_975` standard
+        errors (from :data:`MIN_TRIAL_PAIRS` pairs on) the prefetch is off for good, which
+        leaves ``lru``; below zero by as much, or after :data:`TRIAL_PAIRS` pairs, on for good.  The time
+        between batches, unlike the felt wait, barely depends on the routing, which keeps
+        its noise small."""
+        trial = self._trial
+        if trial is None:
+            return
+        sample = (seconds, self._tok_gaps_s, self._tok_misses, self._tok_used)
+        if self._prefetching:
+            self._pair_on = sample
+        else:
+            self._pair_off = sample
+        self._decode_tokens += 1
+        if self._decode_tokens % 2:
+            return
+        (_, gaps_on, _, used_on), (t_off, gaps_off, misses_off, _) = self._pair_on, self._pair_off
+        price = max(t_off - gaps_off, 0.0) / max(misses_off, 1)
+        trial.append(gaps_on - gaps_off - used_on * price)
+        n = len(trial)
+        mean = sum(trial) / n
+        se = math.sqrt(sum((d - mean) ** 2 for d in trial) / (n - 1) / n) if n > 1 else math.inf
+        t = T_975.get(n - 1, 2.0)
+        if n >= MIN_TRIAL_PAIRS and mean > t * se:
+            self._end_trial(False, mean, se, n)
+        elif n >= TRIAL_PAIRS or (n >= MIN_TRIAL_PAIRS and mean < -t * se):
+            self._end_trial(True, mean, se, n)
+
+    def _end_trial(self, on: bool, mean: float, se: float, pairs: int) -> None:
+        self._trial = None
+        self._prefetching = on
+        self._verdict = (
+            f"prefetch {'on' if on else 'off'} after {pairs} pairs of decode tokens: with it a "
+            f"token's compute took {mean * 1e3:+.1f} ms net of the waits its prefetches saved "
+            f"(standard error {se * 1e3:.1f} ms)")
+
+    def _learn(self) -> None:
+        """Once a token: the token's pairs into the co-activation table and its picks into
+        the popularity counts, one scatter-add each."""
+        if self._coact is not None:
+            self._coact.learn_many(self._pairs)
+        self._pairs = []
+        picked = self._picked
+        if picked:
+            rows = np.fromiter(itertools.chain.from_iterable(itertools.repeat(p, len(b)) for p, b in picked),
+                               dtype=np.intp)
+            cols = np.fromiter(itertools.chain.from_iterable(b for _, b in picked), dtype=np.intp)
+            np.add.at(self._popular, (rows, cols), 1.0)
+            self._picked = []
+
+    def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        return True
+
+    def on_insert(self, key: Key, nbytes: int) -> None:
+        p = self._position(key)
+        self._order[key] = self._visits[p]
+        self._resident_in[p] += 1
+        self._bytes[key] = nbytes
+        self._held += nbytes
+        if self._admitting == key:
+            self._order.move_to_end(key, last=False)  # a guess: first to go if unused
+            self._admitting = None
+
+    def on_remove(self, key: Key) -> None:
+        used = self._order.pop(key)
+        self._held -= self._bytes.pop(key)
+        self._proposed.pop(key, None)
+        guess = self._guesses.pop(key, None)
+        if guess is not None:
+            self._guessed_p += guess
+        p = self._position(key)
+        self._resident_in[p] -= 1
+        if used < self._visits[p]:  # stale: remember it, to measure what evicting one costs
+            self._ghosts[key] = self._visits[p]
+            if len(self._ghosts) > max(len(self._order), 1):
+                self._ghosts.popitem(last=False)
+            decay = 1.0 - 1.0 / REUSE_MEMORY
+            self._evicted = self._evicted * decay + 1.0
+            self._reused *= decay
+
+    def victims(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    # ------------------------------------------------------------------ the optional abilities
+
+    def end_batch(self) -> list[Key]:
+        """The batch just made is complete: propose the next layer's likeliest experts that
+        are not resident, best first."""
+        batch, pos = self._batch, self._batch_pos
+        coact = self._coact
+        self._proposed.clear()
+        if self._now is not None and batch:
+            self._gap_start = self._now()  # the engine computes from here to the next batch
+        if coact is None or not batch or len(batch) > self._k or not self.prefetching:
+            return []
+        nxt = (pos + 1) % self._L
+        if not self._could_admit(nxt):
+            return []
+        popular = self._popular[nxt]
+        scores = coact.predict(pos, batch, self._k, popular / np.add.reduce(popular))
+        if scores is None:
+            return []
+        chance = self._k / self._E
+        layer, order, width = self._layers[nxt], self._order, self._width
+        scale = self.calibration
+        out: list[Key] = []
+        top = np.argpartition(-scores, min(2 * width, self._E - 1))[:2 * width]
+        for j in top[np.argsort(-scores[top], kind="stable")].tolist():
+            raw = float(scores[j])
+            s = min(1.0, raw * scale)
+            if s <= chance or len(out) >= width:
+                break
+            key = (layer, j)
+            if key not in order:
+                self._proposed[key] = (s, raw)
+                out.append(key)
+        return out
+
+    def _could_admit(self, nxt: int) -> bool:
+        """Whether a proposal for position ``nxt`` could be admitted: one of its experts is not
+        resident, and there are free bytes for it or LRU's oldest expert is stale (a guard that
+        sees only fresh victims refuses)."""
+        if self._resident_in[nxt] >= self._E:
+            return False  # all resident (a budget that holds the model): nothing to propose
+        if self._budget is None or self._held + self._expert_bytes[nxt] <= self._budget:
+            return True
+        order, visits, pos = self._order, self._visits, self._pos
+        return any(order[key] < visits[pos[key[0]]]  # type: ignore[index]
+                   for key in itertools.islice(order, self._width))
+
+    def prepare(self) -> None:
+        return None
+
+    def admit_prefetch(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
+        proposed = self._proposed.get(key)
+        if proposed is None:
+            proposed = self._engine_guess(key)
+        if proposed is None:
+            return not victims  # nobody's estimate: free bytes only
+        if victims:
+            order, visits, pos = self._order, self._visits, self._pos
+            if any(order[v] >= visits[pos[v[0]]] for v in victims):  # type: ignore[index]
+                return False  # a fresh victim: never displaced by a guess
+            if proposed[0] <= self.stale_reuse:
+                return False
+        self._admitting = key
+        self._guesses[key] = proposed[1] if key in self._proposed else None
+        return True
+
+    def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
+        """The engine's estimate for ``layer``'s next batch (``ExpertStore.expect``): the
+        store proposes its likely experts, and the guard weighs them by the engine's
+        probability (not calibrated: the engine's own) until that layer's batch begins."""
+        pos = self._pos.get(layer)
+        if pos is not None and probabilities.shape == (self._E,):
+            self._expected[pos] = probabilities
+
+    def _engine_guess(self, key: Key) -> tuple[float, float] | None:
+        if not self._expected or not isinstance(key, tuple) or len(key) != 2:
+            return None
+        pos = self._pos.get(key[0])
+        expected = self._expected.get(pos) if pos is not None else None
+        if expected is None or type(key[1]) is not int or not 0 <= key[1] < self._E:
+            return None
+        p = float(expected[key[1]])
+        return (p, p)
+
+    def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
+        """A prompt's router rows: each token's picks at this layer pair with its picks at
+        the layer before (never across the wrap, whose rows are other tokens')."""
+        pos = self._pos.get(layer)
+        if self._coact is not None and pos is None:
+            raise StoreError(f"policy 'coact': routing for layer {layer}, not a MoE layer of "
+                             f"this model (layers {self._layers[0]}..{self._layers[-1]})")
+        if self._coact is None or pos is None or rows.ndim != 2 or rows.shape[0] <= 1:
+            return
+        if rows.size and (int(rows.max()) >= self._E or int(rows.min()) < -1):
+            raise StoreError(f"policy 'coact': routing for layer {layer} names an expert "
+                             f"outside 0..{self._E - 1}")
+        prev = self._rows
+        if pos > 0 and prev is not None and prev[0] == pos - 1 and prev[1].shape[0] == rows.shape[0]:
+            self._coact.learn_rows(pos - 1, prev[1], rows)
+        picked = rows[rows >= 0]
+        self._popular[pos] += np.bincount(picked, minlength=self._E)
+        self._rows = (pos, rows)
+
+    # ------------------------------------------------------------------ usage history
+
+    @property
+    def pinned_experts(self) -> int:
+        """None: a history seeds the co-activation table and the popularity, and pins nothing
+        (LRU's order is the run's own)."""
+        return 0
+
+    def history(self) -> dict[str, npt.NDArray[np.generic]]:
+        """What the run learned, in ``moe``'s file format (``residency/_history.py``) less its
+        hazard table: the shape, the picks per expert, the visits, the co-activation pairs."""
+        if self._coact is None:
+            raise StoreError("policy 'coact' has no shape, hence no history")
+        self._learn()
+        counts = self._coact.counts
+        return {
+            "layers": np.array(self._layers, dtype=np.int64), "n_expert": np.array(self._E),
+            "k": np.array(self._k), "count": self._popular - 1.0,
+            "visits": np.array(self._visits, dtype=np.float64),
+            "pairs": counts if counts is not None else np.zeros((0,), dtype=np.float32),
+            "picks": self._coact.picks,
+        }
+
+    def load_history(self, arrays: Mapping[str, npt.NDArray[np.generic]], source: str) -> None:
+        """Seed the co-activation table and the popularity from a saved history (this policy's
+        or ``moe``'s), decayed by half as ``moe`` does; a ``StoreError`` naming ``source`` and
+        the field when it does not fit this model."""
+        if self._coact is None:
+            raise StoreError("policy 'coact' needs its shape before a history")
+        L, E = self._L, self._E
+        for name, shape in {"layers": (L,), "count": (L, E), "picks": (L, E)}.items():
+            if name not in arrays or arrays[name].shape != shape:
+                got = arrays[name].shape if name in arrays else "missing"
+                raise StoreError(f"usage history {source}: field {name!r} is {got}, this model needs {shape}")
+        if (tuple(int(x) for x in arrays["layers"]) != self._layers
+                or int(arrays.get("n_expert", -1)) != E or int(arrays.get("k", -1)) != self._k):
+            raise StoreError(f"usage history {source}: saved for another model shape (layers, "
+                             f"experts or k differ from {L} layers x {E} experts, k={self._k})")
+        d = _history.HISTORY_DECAY
+        self._popular += d * np.asarray(arrays["count"], dtype=np.float64)
+        pairs = arrays.get("pairs")
+        if self._coact.counts is not None and pairs is not None and pairs.shape == self._coact.counts.shape:
+            self._coact.counts += np.float32(d) * pairs.astype(np.float32)
+            self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
+
+    def check(self, keys: set[Key]) -> None:
+        require(set(self._order) == keys, "coact: the LRU order does not track the resident set")
+        require(set(self._bytes) == keys and self._held == sum(self._bytes.values()),
+                "coact: the held bytes do not track the resident set")
+        per_layer = [0] * self._L
+        for key, used in self._order.items():
+            p = self._position(key)
+            per_layer[p] += 1
+            require(used <= self._visits[p], f"coact: {key!r} was used after its layer's last visit")
+        require(per_layer == self._resident_in, "coact: the per-layer resident counts are off")
+        require(0.0 <= self.stale_reuse <= 1.0, "coact: the stale reuse is not a probability")
+        require(self.calibration > 0.0, "coact: the calibration is not positive")
+
+
+__all__ = ["REUSE_MEMORY", "CoactPolicy"]

@@ -1,0 +1,279 @@
+"""``coact`` (residency/coact.py): LRU's eviction plus a next-layer prefetch whose guard never
+displaces a fresh expert, and the default's switch to it (residency/earned.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from iosched import ExpertStore, StoreError
+from iosched._errors import InvariantError
+from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
+from iosched.residency._cooc import CoActivation
+from iosched.residency.coact import MIN_TRIAL_PAIRS, TRIAL_PAIRS, CoactPolicy
+from iosched.residency.earned import EarnedPolicy
+from iosched.residency.lru import LRUPolicy
+from tests.conftest import EXPERTS, LAYERS
+from tests.test_earned import StepClock, routed_tokens
+from tests.test_moe import SHAPE, TD, UNIT, drive
+from tests.test_store import expected_bytes
+
+
+def coact(width: int | None = None, budget: int | None = None) -> CoactPolicy:
+    policy = CoactPolicy(width)
+    policy.set_shape(SHAPE)
+    if budget is not None:
+        policy.set_budget(budget)
+    return policy
+
+
+def paired_tokens(n: int, seed: int = 1) -> list[list[list[int]]]:
+    """Layer 0's picks are random; each later layer's are the previous layer's + 2 (mod 8):
+    exactly predictable from the layer before, not from the token before."""
+    rng = np.random.default_rng(seed)
+    tokens = []
+    for _ in range(n):
+        layers = [[int(rng.integers(0, 4)), int(rng.integers(4, 8))]]
+        for _ in range(3):
+            layers.append([(e + 2) % 8 for e in layers[-1]])
+        tokens.append(layers)
+    return tokens
+
+
+def test_coact_is_the_default_and_declares_what_it_does() -> None:
+    assert POLICIES["coact"] is CoactPolicy and POLICIES["default"] is CoactPolicy
+    assert POLICIES["earned"] is EarnedPolicy
+    policy = make_policy("coact", prefetch_width=3)
+    assert isinstance(policy, CoactPolicy)
+    assert CoactPolicy.capabilities == (Capability.BUDGET | Capability.SHAPE | Capability.BATCHES
+                                        | Capability.PREFETCH_GUARD | Capability.ROUTING
+                                        | Capability.COST | Capability.HISTORY
+                                        | Capability.LOOKAHEAD)
+    hooks = bind(policy)
+    assert hooks.end_batch is not None and hooks.admit_prefetch is not None
+    assert hooks.costed is policy
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_a_bad_prefetch_width_is_refused(bad: object) -> None:
+    with pytest.raises(StoreError, match="prefetch_width"):
+        CoactPolicy(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [(9, 0), "x", (None,), (0, 8), (0, -1), (0, True), (0, 1, 2), (0, 1.0)])
+def test_a_key_outside_the_shape_is_named(key: object) -> None:
+    with pytest.raises(StoreError, match="coact"):
+        coact().on_request(key, UNIT, False)  # type: ignore[arg-type]
+
+
+def test_without_prefetch_it_decides_exactly_as_lru() -> None:
+    tokens = routed_tokens(40)
+    for budget in (TD // 2, TD, 2 * TD):
+        lru_table = ResidencyTable(budget, LRUPolicy())
+        coact_table = ResidencyTable(budget, coact(width=0))
+        assert drive(lru_table, tokens) == drive(coact_table, tokens)
+        assert list(lru_table.policy.victims()) == list(coact_table.policy.victims())
+
+
+def test_it_proposes_the_learned_next_layer_and_the_proposals_hit() -> None:
+    """Two token cycles of budget: the older token's experts are stale, and guesses may
+    displace them."""
+    tokens = paired_tokens(60)
+    policy = coact()
+    table = ResidencyTable(2 * TD, policy)
+    hits = drive(table, tokens)
+    late = hits[-8 * 20:]
+    later = [h for i, h in enumerate(late) if (i // 2) % 4 != 0]  # layers 1-3
+    plain = drive(ResidencyTable(2 * TD, coact(width=0)), tokens)[-8 * 20:]
+    plain_later = [h for i, h in enumerate(plain) if (i // 2) % 4 != 0]
+    # (measured 0.73 against 0.43: the guesses that would displace a fresh expert are refused)
+    assert sum(later) / len(later) > sum(plain_later) / len(plain_later) + 0.2
+    assert policy.calibration > 0.5  # the guesses were used about as often as predicted
+
+
+def test_the_guard_never_displaces_a_fresh_expert() -> None:
+    """Every resident expert was routed at its layer's last visit: a proposal over any of them
+    is refused, and the table is untouched; into free bytes it is admitted."""
+    policy = coact(budget=TD)
+    table = ResidencyTable(TD, policy)
+    drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(6)], prefetch=False)
+    policy.on_request((0, 0), UNIT, True)
+    policy.on_request((0, 1), UNIT, True)
+    policy._proposed[(1, 5)] = (0.99, 0.99)  # a confident guess
+    before = {e.key for e in table.entries()}
+    assert table.reserve((1, 5), UNIT, speculative=True) is None
+    assert {e.key for e in table.entries()} == before
+    assert policy.end_batch() == []  # nothing could be admitted: nothing is computed
+    roomy = coact(budget=2 * TD)
+    roomy_table = ResidencyTable(2 * TD, roomy)
+    drive(roomy_table, [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(6)], prefetch=False)
+    roomy._proposed[(1, 5)] = (0.99, 0.99)
+    assert roomy_table.reserve((1, 5), UNIT, speculative=True) is not None
+
+
+def test_over_stale_victims_a_guess_must_beat_their_measured_reuse() -> None:
+    policy = coact(budget=2 * TD)
+    table = ResidencyTable(2 * TD, policy)
+    # token 1 routes {0,1} everywhere, token 2 {2,3}, token 3 {4,5}: two tokens are held,
+    # and token 2's experts are stale (their layer's last visit routed others)
+    for picks in ([0, 1], [2, 3], [4, 5]):
+        drive(table, [[picks] * 4], prefetch=False)
+    stale = [k for k in policy.victims() if policy._order[k] < policy._visits[policy._pos[k[0]]]]
+    assert stale and stale == list(policy.victims())[:len(stale)]
+    policy._proposed[(1, 7)] = (policy.stale_reuse / 2, 0.01)
+    assert not policy.admit_prefetch((1, 7), UNIT, stale[:1])
+    policy._proposed[(1, 7)] = (min(1.0, policy.stale_reuse + 0.3), 0.5)
+    assert policy.admit_prefetch((1, 7), UNIT, stale[:1])
+    # an expert nobody estimated takes free bytes only
+    assert not policy.admit_prefetch((1, 6), UNIT, stale[:1])
+    assert policy.admit_prefetch((1, 6), UNIT, [])
+    # the engine's lookahead is weighed by its own probability, with the same guard
+    probs = np.zeros(8)
+    probs[5] = 0.9
+    policy.on_expect(1, probs)
+    assert policy.admit_prefetch((1, 5), UNIT, stale[:1])
+    fresh = [k for k in policy.victims() if k not in stale][:1]
+    assert not policy.admit_prefetch((1, 5), UNIT, fresh)
+    assert policy.calibration == 1.0  # the engine's guesses stay out of the calibration
+    policy.on_request((1, 0), UNIT, False)  # layer 1's batch begins: the estimate is spent
+    assert not policy.admit_prefetch((1, 5), UNIT, stale[:1])
+
+
+def test_a_prefetch_waits_at_the_oldest_end_until_it_is_used() -> None:
+    policy = coact(budget=2 * TD)
+    table = ResidencyTable(2 * TD, policy)
+    drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]]], prefetch=False)
+    policy.on_request((0, 0), UNIT, True)
+    policy._proposed[(1, 6)] = (0.9, 0.9)
+    entry = table.reserve((1, 6), UNIT, speculative=True)
+    assert entry is not None
+    table.publish(entry)
+    assert next(iter(policy.victims())) == (1, 6)  # unused: the first to go
+    policy.on_request((1, 6), UNIT, True)
+    assert list(policy.victims())[-1] == (1, 6)  # used: the newest
+    assert policy.calibration == pytest.approx((1 + 1) / (0.9 + 1))
+    table.check()
+
+
+def test_prompt_rows_teach_the_pairs_and_bad_rows_are_named() -> None:
+    policy = coact()
+    rows0 = np.array([[0, 1], [2, 3], [0, 1]], dtype=np.int64)
+    rows1 = np.array([[4, 5], [6, 7], [4, 5]], dtype=np.int64)
+    policy.on_routing(0, rows0)
+    policy.on_routing(1, rows1)
+    assert policy._coact is not None
+    pi = policy._coact.predict(0, [0, 1], 2, np.full(8, 1 / 8))
+    assert pi is not None and set(np.argsort(-pi)[:2].tolist()) == {4, 5}
+    with pytest.raises(StoreError, match="layer 9"):
+        policy.on_routing(9, rows0)
+    with pytest.raises(StoreError, match="outside"):
+        policy.on_routing(1, np.array([[0, 8], [1, 2]], dtype=np.int64))
+
+
+def test_adopt_refuses_a_state_of_another_shape() -> None:
+    policy = coact()
+    with pytest.raises(InvariantError, match="another shape"):
+        policy.adopt([], [0] * 3, CoActivation(3, 8), np.ones((3, 8)), {})
+    with pytest.raises(InvariantError, match="before set_shape"):
+        CoactPolicy().adopt([], [], CoActivation(4, 8), np.ones((4, 8)), {})
+
+
+def test_the_default_switches_to_coact_with_moes_order_and_table() -> None:
+    """A moe that costs more than it saves: the default goes on as coact, with moe's resident
+    set oldest first, its co-activation table, and its own proposals from then on."""
+    policy = EarnedPolicy(SHAPE)
+    policy.set_clock(StepClock(0.01))
+    table = ResidencyTable(2 * TD, policy)
+    tokens = paired_tokens(40)
+    drive(table, tokens[:20], wait_s=1e-4)
+    assert policy.switched and str(policy.cost_verdict).startswith("coact after")
+    after = policy._after
+    assert after is not None and after._coact is policy._moe._coact
+    assert set(after.victims()) == {e.key for e in table.entries()}
+    drive(table, tokens[20:], wait_s=1e-4)
+    assert after._guessed_used > 0  # the learned pairing still prefetches, and hits
+    table.check()
+
+
+def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint: Path) -> None:
+    from iosched import _settings
+
+    async def main() -> dict[str, Any]:
+        probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
+        one = max(layout.nbytes for layout in probe.index.experts.values())
+        rng = np.random.default_rng(5)
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
+                                          policy="coact", experts_per_token=2) as store:
+            for _ in range(12):
+                # a token's first picks are random; each later layer's follow them (+2 mod E),
+                # which the co-activation learns
+                a, b = int(rng.integers(0, EXPERTS // 2)), int(rng.integers(EXPERTS // 2, EXPERTS))
+                for layer in range(LAYERS):
+                    keys = [(layer, (a + 2 * layer) % EXPERTS), (layer, (b + 2 * layer) % EXPERTS)]
+                    async with store.acquire_many(keys) as views:
+                        await asyncio.sleep(0)  # the engine computes: the proposals go out
+                        for key, view in zip(keys, views, strict=True):
+                            assert view.data.tobytes() == expected_bytes(store.index, key)
+                store.token_boundary()
+            await asyncio.sleep(0.05)
+            store.check_invariants()
+            return store.stats()
+
+    with _settings.override(prefetch_pacing="none"):
+        stats = asyncio.run(main())
+    assert stats["policy"] == "coact" and stats["policy_fallback"] is None
+    assert stats["policy_prefetch_batches"] > 0
+    assert stats["prefetch_issued"] > 0
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
+
+
+def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3) -> list[bool]:
+    """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
+    each layer's requests, its batch end, then the engine's compute until the next layer:
+    2.5 ms a layer (+-0.25 ms, seeded), plus ``extra_s / L`` when the token's arm prefetches
+    (what reader threads and the loop would take from a compute thread).  The arms."""
+    rng = np.random.default_rng(seed)
+    clock = [0.0]
+    policy.set_clock(lambda: clock[0])
+    arms = []
+    L = len(SHAPE.layers)
+    for t in range(n):
+        for layer in SHAPE.layers:
+            for e in ((t + layer) % 8, (t + layer + 3) % 8):
+                policy.on_request((layer, e), UNIT, False)
+            if layer == 0:
+                arms.append(policy.prefetching)
+            policy.end_batch()
+            clock[0] += 0.0025 + float(rng.uniform(-2.5e-4, 2.5e-4)) + (extra_s / L if arms[-1] else 0.0)
+    return arms
+
+
+def test_the_trial_alternates_tokens_abba_and_keeps_a_prefetch_that_costs_nothing() -> None:
+    policy = coact()
+    arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.0)
+    assert arms[:8] == [True, False, False, True, True, False, False, True]
+    assert all(arms[2 * TRIAL_PAIRS + 1:])  # decided: on for good
+    assert str(policy.cost_verdict).startswith(f"prefetch on after {TRIAL_PAIRS} pairs")
+
+
+def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:
+    policy = coact()
+    arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.005)  # +50 %
+    verdict = str(policy.cost_verdict)
+    assert verdict.startswith(f"prefetch off after {MIN_TRIAL_PAIRS} pairs")
+    measured = float(verdict.split("took ")[1].split(" ms")[0])  # no prefetch was used here
+    assert measured == pytest.approx(5.0, abs=1.0)  # the 5 ms, within the +-1 ms of jitter
+    assert not any(arms[2 * MIN_TRIAL_PAIRS + 1:]) and not policy.prefetching
+    assert policy.end_batch() == []
+
+
+def test_without_a_clock_there_is_no_trial() -> None:
+    policy = coact()
+    for layer in SHAPE.layers:
+        policy.on_request((layer, 0), UNIT, False)
+    assert policy.prefetching and policy.cost_verdict is None
+    assert coact(width=0).prefetching is False
