@@ -251,8 +251,9 @@ class StoreStats:
     policy: str
     policy_fallback: str | None
     policy_verdict: str | None
-    """What a policy that times its own work concluded (``default``: when and why it left
-    ``moe`` for ``lru``, residency/earned.py); ``None`` while it has concluded nothing."""
+    """What a policy that times its own work concluded (``default``, ``coact``: whether its
+    trial kept the prefetch, residency/coact.py; ``earned``: when and why it left ``moe``
+    for ``coact``, residency/earned.py); ``None`` while it has concluded nothing."""
     loop: str
     routing_rows: int
     """Token rows of router output observed (``observe_routing``)."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar
@@ -334,7 +335,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         the price of a miss being the token's time outside compute per miss, measured on the
         token without.  If the mean ``net`` is above zero by more than :data:`T_975` standard
         errors (from :data:`MIN_TRIAL_PAIRS` pairs on) the prefetch is off for good, which
-        leaves ``lru``; below zero by as much, or after :data:`TRIAL_PAIRS` pairs, on for good.  The time
+        leaves ``lru``; below zero by as much, on for good.  After :data:`TRIAL_PAIRS` pairs
+        without so clear an answer, the median pair decides: on if it is not above zero.  The time
         between batches, unlike the felt wait, barely depends on the routing, which keeps
         its noise small."""
         trial = self._trial
@@ -356,17 +358,22 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         se = math.sqrt(sum((d - mean) ** 2 for d in trial) / (n - 1) / n) if n > 1 else math.inf
         t = T_975.get(n - 1, 2.0)
         if n >= MIN_TRIAL_PAIRS and mean > t * se:
-            self._end_trial(False, mean, se, n)
-        elif n >= TRIAL_PAIRS or (n >= MIN_TRIAL_PAIRS and mean < -t * se):
-            self._end_trial(True, mean, se, n)
+            self._end_trial(False, trial, se)
+        elif n >= MIN_TRIAL_PAIRS and mean < -t * se:
+            self._end_trial(True, trial, se)
+        elif n >= TRIAL_PAIRS:
+            # no clear answer: the typical pair decides (a single stalled token, seen in the
+            # real runs, moves the mean by tens of ms and the median not at all)
+            self._end_trial(statistics.median(trial) <= 0.0, trial, se)
 
-    def _end_trial(self, on: bool, mean: float, se: float, pairs: int) -> None:
+    def _end_trial(self, on: bool, trial: list[float], se: float) -> None:
         self._trial = None
         self._prefetching = on
+        mean, median = sum(trial) / len(trial), statistics.median(trial)
         self._verdict = (
-            f"prefetch {'on' if on else 'off'} after {pairs} pairs of decode tokens: with it a "
-            f"token's compute took {mean * 1e3:+.1f} ms net of the waits its prefetches saved "
-            f"(standard error {se * 1e3:.1f} ms)")
+            f"prefetch {'on' if on else 'off'} after {len(trial)} pairs of decode tokens: with it "
+            f"a token's compute took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) net of "
+            f"the waits its prefetches saved (standard error {se * 1e3:.1f} ms)")
 
     def _learn(self) -> None:
         """Once a token: the token's pairs into the co-activation table and its picks into

@@ -252,12 +252,22 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3)
     return arms
 
 
-def test_the_trial_alternates_tokens_abba_and_keeps_a_prefetch_that_costs_nothing() -> None:
+def test_the_trial_alternates_tokens_abba_and_ends_after_its_pairs() -> None:
+    """A prefetch that neither costs nor saves: no clear answer, so the median pair decides
+    after all the pairs (either way), and from then on the arm is constant."""
     policy = coact()
     arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.0)
     assert arms[:8] == [True, False, False, True, True, False, False, True]
-    assert all(arms[2 * TRIAL_PAIRS + 1:])  # decided: on for good
-    assert str(policy.cost_verdict).startswith(f"prefetch on after {TRIAL_PAIRS} pairs")
+    assert len(set(arms[2 * TRIAL_PAIRS + 1:])) == 1  # decided
+    assert str(policy.cost_verdict).startswith("prefetch o")
+    assert f"after {TRIAL_PAIRS} pairs" in str(policy.cost_verdict)
+
+
+def test_the_trial_keeps_a_prefetch_whose_tokens_are_faster() -> None:
+    policy = coact()
+    arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=-0.005)
+    assert str(policy.cost_verdict).startswith(f"prefetch on after {MIN_TRIAL_PAIRS} pairs")
+    assert all(arms[2 * MIN_TRIAL_PAIRS + 1:]) and policy.prefetching
 
 
 def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:

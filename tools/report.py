@@ -31,7 +31,7 @@ def demo_table(r: dict[str, Any]) -> Group:
         ("evictions", f"{r['evictions']:,}"),
         ("backend / policy / loop", f"{r['backend']} / {r['policy']} / {r['loop']}"),
     ]
-    if r.get("policy_verdict"):  # default left moe for lru: when and why (residency/earned.py)
+    if r.get("policy_verdict"):  # what the policy's own measurements concluded (coact's trial)
         rows.append(("policy verdict", str(r["policy_verdict"])))
     for name, value in rows:
         summary.add_row(name, value)

@@ -80,8 +80,8 @@ class SoakConfig:
     experts: int = 32
     policy: str = "moe"
     """The residency policy; the store is told k = ``group`` (the largest batch).  ``moe``:
-    its prefetches and their pacing run under the faults all along (``default`` may switch
-    to lru after a few tokens when moe does not pay, residency/earned.py)."""
+    its prefetches and their pacing run under the faults all along (``default``, ``coact``,
+    may turn its prefetch off after a few tokens when it does not pay, residency/coact.py)."""
     verify: bool = False
     """Open with ``verify="reads"`` (the manifest is written on first use)."""
     corrupt_rate: float = 0.0
