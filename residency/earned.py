@@ -359,9 +359,12 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
     def on_expect(self, layer: int, probabilities: npt.NDArray[np.float64]) -> None:
         if self._after is None:
             self._timed(self._moe.on_expect, layer, probabilities)
+        else:
+            self._after.on_expect(layer, probabilities)
 
     def history(self) -> dict[str, npt.NDArray[np.generic]]:
-        """``moe``'s history: what it learned until the switch, if there was one."""
+        """``moe``'s history: what it learned until the switch, if there was one (its
+        co-activation table is ``coact``'s after it, and has gone on learning)."""
         return self._moe.history()
 
     def load_history(self, arrays: Mapping[str, npt.NDArray[np.generic]], source: str) -> None:
