@@ -67,7 +67,7 @@ def test_a_bad_prefetch_width_is_refused(bad: object) -> None:
 @pytest.mark.parametrize("key", [(9, 0), "x", (None,), (0, 8), (0, -1), (0, True), (0, 1, 2), (0, 1.0)])
 def test_a_key_outside_the_shape_is_named(key: object) -> None:
     with pytest.raises(StoreError, match="coact"):
-        coact().on_request(key, UNIT, False)  # type: ignore[arg-type]
+        coact().on_request(key, UNIT, False)
 
 
 def test_without_prefetch_it_decides_exactly_as_lru() -> None:
@@ -122,7 +122,8 @@ def test_over_stale_victims_a_guess_must_beat_their_measured_reuse() -> None:
     # and token 2's experts are stale (their layer's last visit routed others)
     for picks in ([0, 1], [2, 3], [4, 5]):
         drive(table, [[picks] * 4], prefetch=False)
-    stale = [k for k in policy.victims() if policy._order[k] < policy._visits[policy._pos[k[0]]]]
+    stale = [k for k in policy.victims()
+             if policy._order[k] < policy._visits[policy._where[k][0]]]
     assert stale and stale == list(policy.victims())[:len(stale)]
     policy._proposed[(1, 7)] = (policy.stale_reuse / 2, 0.01)
     assert not policy.admit_prefetch((1, 7), UNIT, stale[:1])
@@ -287,3 +288,23 @@ def test_without_a_clock_there_is_no_trial() -> None:
         policy.on_request((layer, 0), UNIT, False)
     assert policy.prefetching and policy.cost_verdict is None
     assert coact(width=0).prefetching is False
+
+
+def test_a_layer_whose_last_visit_missed_nothing_is_not_predicted() -> None:
+    """With room to spare and a learned pairing: after layer 1's visit found everything it
+    routed, the batch end of layer 0 computes no proposal; after a miss there, it does."""
+    policy = coact(budget=3 * TD)
+    table = ResidencyTable(3 * TD, policy)
+    tokens = paired_tokens(30)
+    drive(table, tokens)
+    # one more token whose layers all hit (they route what is resident)
+    resident = [policy._where[e.key] for e in table.entries()]
+    picks = [sorted(e for (layer, e) in resident if layer == p)[:2] for p in range(4)]
+    drive(table, [picks], prefetch=False)
+    assert not any(policy._missed)
+    for e in picks[0]:
+        policy.on_request((0, e), UNIT, True)
+    assert policy.end_batch() == []
+    assert policy._resident_in[1] < 8  # not for want of room: for want of a miss
+    policy._missed[1] = True  # as if layer 1's last visit had missed
+    assert policy._could_admit(1) or policy._held >= 3 * TD
