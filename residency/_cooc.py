@@ -29,7 +29,7 @@ then prefetches nothing, which is always safe).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -75,6 +75,14 @@ class CoActivation:
         if cells:
             np.add.at(self.counts.reshape(-1), np.concatenate(cells), np.float32(1.0))
             np.add.at(self.picks.reshape(-1), np.concatenate(picked), 1.0)
+
+    def seed(self, arrays: Mapping[str, npt.NDArray[np.generic]], decay: float) -> None:
+        """Add a saved history's table (its ``pairs`` and ``picks``), times ``decay``; a history
+        saved without the table (too large to keep, :data:`MAX_CELLS`) seeds nothing."""
+        pairs = arrays.get("pairs")
+        if self.counts is not None and pairs is not None and pairs.shape == self.counts.shape:
+            self.counts += np.float32(decay) * pairs.astype(np.float32)
+            self.picks += decay * np.asarray(arrays["picks"], dtype=np.float64)
 
     def learn_rows(self, pos: int, rows: npt.NDArray[np.int64], next_rows: npt.NDArray[np.int64]) -> None:
         """Row ``t`` of ``rows`` (the experts token ``t`` routed at layer position ``pos``,

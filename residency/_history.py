@@ -73,6 +73,22 @@ def load(path: str | os.PathLike[str]) -> dict[str, npt.NDArray[np.generic]]:
     return arrays
 
 
+def require_fits(arrays: Mapping[str, npt.NDArray[np.generic]], source: str,
+                 fields: Mapping[str, tuple[int, ...]], layers: tuple[int, ...], n_expert: int,
+                 k: int) -> None:
+    """A :class:`StoreError` naming ``source`` unless the history ``arrays`` hold each of
+    ``fields`` with its shape and were saved for this model (its layers, experts and k): the
+    check every policy that loads a history makes before it reads one."""
+    for name, shape in fields.items():
+        if name not in arrays or arrays[name].shape != shape:
+            got = arrays[name].shape if name in arrays else "missing"
+            raise StoreError(f"usage history {source}: field {name!r} is {got}, this model needs {shape}")
+    if (tuple(int(x) for x in arrays["layers"]) != layers
+            or int(arrays.get("n_expert", -1)) != n_expert or int(arrays.get("k", -1)) != k):
+        raise StoreError(f"usage history {source}: saved for another model shape (layers, "
+                         f"experts or k differ from {len(layers)} layers x {n_expert} experts, k={k})")
+
+
 class Pins:
     """Decayed history counts and visits, and the pinned set with its hysteresis."""
 

@@ -222,7 +222,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._held = sum(self._bytes.values())
         self._resident_in = [0] * self._L
         for key in self._order:
-            self._resident_in[self._position(key)] += 1
+            self._resident_in[self._pos_of(key)] += 1
         self._coact = coactivation
         self._popular = np.array(popularity, dtype=np.float64)
 
@@ -262,6 +262,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         where = (self._position(key), self._expert(key))
         self._where[key] = where
         return where
+
+    def _pos_of(self, key: Key) -> int:
+        where = self._where.get(key)
+        return (where if where is not None else self._locate(key))[0]
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
         where = self._where.get(key)
@@ -406,7 +410,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         return True
 
     def on_insert(self, key: Key, nbytes: int) -> None:
-        p = self._position(key)
+        p = self._pos_of(key)
         self._order[key] = self._visits[p]
         self._resident_in[p] += 1
         self._bytes[key] = nbytes
@@ -422,7 +426,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         guess = self._guesses.pop(key, None)
         if guess is not None:
             self._guessed_p += guess
-        p = self._position(key)
+        p = self._pos_of(key)
         self._resident_in[p] -= 1
         if used < self._visits[p]:  # stale: remember it, to measure what evicting one costs
             self._ghosts[key] = self._visits[p]
@@ -571,20 +575,11 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         if self._coact is None:
             raise StoreError("policy 'coact' needs its shape before a history")
         L, E = self._L, self._E
-        for name, shape in {"layers": (L,), "count": (L, E), "picks": (L, E)}.items():
-            if name not in arrays or arrays[name].shape != shape:
-                got = arrays[name].shape if name in arrays else "missing"
-                raise StoreError(f"usage history {source}: field {name!r} is {got}, this model needs {shape}")
-        if (tuple(int(x) for x in arrays["layers"]) != self._layers
-                or int(arrays.get("n_expert", -1)) != E or int(arrays.get("k", -1)) != self._k):
-            raise StoreError(f"usage history {source}: saved for another model shape (layers, "
-                             f"experts or k differ from {L} layers x {E} experts, k={self._k})")
+        _history.require_fits(arrays, source, {"layers": (L,), "count": (L, E), "picks": (L, E)},
+                              self._layers, E, self._k)
         d = _history.HISTORY_DECAY
         self._popular += d * np.asarray(arrays["count"], dtype=np.float64)
-        pairs = arrays.get("pairs")
-        if self._coact.counts is not None and pairs is not None and pairs.shape == self._coact.counts.shape:
-            self._coact.counts += np.float32(d) * pairs.astype(np.float32)
-            self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
+        self._coact.seed(arrays, d)
 
     def check(self, keys: set[Key]) -> None:
         require(set(self._order) == keys, "coact: the LRU order does not track the resident set")
@@ -592,7 +587,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 "coact: the held bytes do not track the resident set")
         per_layer = [0] * self._L
         for key, used in self._order.items():
-            p = self._position(key)
+            p = self._pos_of(key)
             per_layer[p] += 1
             require(used <= self._visits[p], f"coact: {key!r} was used after its layer's last visit")
         require(per_layer == self._resident_in, "coact: the per-layer resident counts are off")

@@ -1,4 +1,5 @@
-"""``earned``: the default policy. ``moe`` while it earns its cost, then ``coact``.
+"""``earned``: ``moe`` while it earns its cost, then ``coact`` (the default until
+2026-12-01; ``default`` is ``coact`` now, docs/residency.md says why).
 
 Why: the objective is the engine's tokens per second. ``moe`` (``residency/moe.py``) makes
 better decisions than LRU: more hits, prefetches that land in the drive's idle time. But its
@@ -45,8 +46,8 @@ Why a one-way switch: after it, ``moe``'s state is no longer fed (its co-activat
 whose conditions change opens a new store.
 
 Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is measured and
-nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables of
-``default`` stay what they were.
+nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables made
+when ``default`` was ``moe`` are this policy's too.
 
 Constants: :data:`WINDOW_TOKENS` is structural; :data:`MIN_WINDOWS` was measured (see it).
 """

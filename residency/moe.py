@@ -551,16 +551,9 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         if self._shape is None:
             raise StoreError("policy 'moe' needs its shape before a history")
         L, E = self._L, self._E
-        want = {"layers": (L,), "count": (L, E), "visits": (L,), "hazard_used": self._hazard.used.shape,
-                "hazard_exposed": self._hazard.exposed.shape, "picks": (L, E)}
-        for name, shape in want.items():
-            if name not in arrays or arrays[name].shape != shape:
-                got = arrays[name].shape if name in arrays else "missing"
-                raise StoreError(f"usage history {source}: field {name!r} is {got}, this model needs {shape}")
-        if (tuple(int(x) for x in arrays["layers"]) != self._layers
-                or int(arrays.get("n_expert", -1)) != E or int(arrays.get("k", -1)) != self._k):
-            raise StoreError(f"usage history {source}: saved for another model shape (layers, "
-                             f"experts or k differ from {L} layers x {E} experts, k={self._k})")
+        _history.require_fits(arrays, source, {
+            "layers": (L,), "count": (L, E), "visits": (L,), "hazard_used": self._hazard.used.shape,
+            "hazard_exposed": self._hazard.exposed.shape, "picks": (L, E)}, self._layers, E, self._k)
         d = _history.HISTORY_DECAY
         self._prediction = None
         count = np.asarray(arrays["count"], dtype=np.float64)
@@ -569,10 +562,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._pins.visits += d * np.asarray(arrays["visits"], dtype=np.float64)
         self._hazard.used += d * np.asarray(arrays["hazard_used"], dtype=np.float64)
         self._hazard.exposed += d * np.asarray(arrays["hazard_exposed"], dtype=np.float64)
-        pairs = arrays.get("pairs")
-        if self._coact.counts is not None and pairs is not None and pairs.shape == self._coact.counts.shape:
-            self._coact.counts += np.float32(d) * pairs.astype(np.float32)
-            self._coact.picks += d * np.asarray(arrays["picks"], dtype=np.float64)
+        self._coact.seed(arrays, d)
         self._rebuild()
 
     def hand_over(self) -> tuple[list[tuple[Key, int]], list[int], CoActivation, F64, dict[Key, int]]:

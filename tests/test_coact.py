@@ -3,14 +3,12 @@ displaces a fresh expert, and the default's switch to it (residency/earned.py)."
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from iosched import ExpertStore, StoreError
+from iosched import StoreError
 from iosched._errors import InvariantError
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._cooc import CoActivation
@@ -19,8 +17,7 @@ from iosched.residency.earned import EarnedPolicy
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import StepClock, routed_tokens
-from tests.test_moe import SHAPE, TD, UNIT, drive
-from tests.test_store import expected_bytes
+from tests.test_moe import SHAPE, TD, UNIT, drive, run_store_with_prefetch
 
 
 def coact(width: int | None = None, budget: int | None = None) -> CoactPolicy:
@@ -201,31 +198,14 @@ def test_the_default_switches_to_coact_with_moes_order_and_table() -> None:
 
 
 def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint: Path) -> None:
-    from iosched import _settings
-
-    async def main() -> dict[str, Any]:
-        probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
-        one = max(layout.nbytes for layout in probe.index.experts.values())
-        rng = np.random.default_rng(5)
-        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
-                                          policy="coact", experts_per_token=2) as store:
-            for _ in range(12):
-                # a token's first picks are random; each later layer's follow them (+2 mod E),
-                # which the co-activation learns
-                a, b = int(rng.integers(0, EXPERTS // 2)), int(rng.integers(EXPERTS // 2, EXPERTS))
-                for layer in range(LAYERS):
-                    keys = [(layer, (a + 2 * layer) % EXPERTS), (layer, (b + 2 * layer) % EXPERTS)]
-                    async with store.acquire_many(keys) as views:
-                        await asyncio.sleep(0)  # the engine computes: the proposals go out
-                        for key, view in zip(keys, views, strict=True):
-                            assert view.data.tobytes() == expected_bytes(store.index, key)
-                store.token_boundary()
-            await asyncio.sleep(0.05)
-            store.check_invariants()
-            return store.stats()
-
-    with _settings.override(prefetch_pacing="none"):
-        stats = asyncio.run(main())
+    # a token's first picks are random; each later layer's follow them (+2 mod E), which the
+    # co-activation learns
+    rng = np.random.default_rng(5)
+    routed = []
+    for _ in range(12):
+        a, b = int(rng.integers(0, EXPERTS // 2)), int(rng.integers(EXPERTS // 2, EXPERTS))
+        routed.append([((a + 2 * layer) % EXPERTS, (b + 2 * layer) % EXPERTS) for layer in range(LAYERS)])
+    stats = run_store_with_prefetch(st_checkpoint, "coact", routed)
     assert stats["policy"] == "coact" and stats["policy_fallback"] is None
     assert stats["policy_prefetch_batches"] > 0
     assert stats["prefetch_issued"] > 0

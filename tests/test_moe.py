@@ -212,10 +212,13 @@ def test_hazard_is_monotone_and_bounded(obs: list[tuple[int, int, bool]]) -> Non
     assert np.all(extra >= 0) and np.all(extra <= 6)
 
 
-def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_checkpoint: Path) -> None:
-    """Pacing off (it has its own test, and with no compute between batches it may leave a
-    busy drive no idle time to prefetch in): every proposal is issued, and every view, hit,
-    joined or loaded, has the checkpoint's bytes."""
+def run_store_with_prefetch(st_checkpoint: Path, policy: str,
+                            routed: Sequence[Sequence[tuple[int, int]]]) -> dict[str, Any]:
+    """Decode ``routed`` (per token, per layer, the two experts) through a store under
+    ``policy``, 4 experts a layer of budget, pacing off (it has its own test, and with no
+    compute between batches it may leave a busy drive no idle time to prefetch in), an await
+    between layers so that the proposals go out; every view, hit, joined or loaded, must have
+    the checkpoint's bytes.  The store's ``stats()`` after its invariants are checked."""
     import asyncio
 
     from iosched import _settings
@@ -224,10 +227,10 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
         probe = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30)
         one = max(layout.nbytes for layout in probe.index.experts.values())
         async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 4 * one,
-                                          policy="moe", experts_per_token=2) as store:
-            for t in range(12):
-                for layer in range(LAYERS):
-                    keys = [(layer, (t + layer) % EXPERTS), (layer, (t + layer + 1) % EXPERTS)]
+                                          policy=policy, experts_per_token=2) as store:
+            for token in routed:
+                for layer, pair in enumerate(token):
+                    keys = [(layer, e) for e in pair]
                     async with store.acquire_many(keys) as views:
                         await asyncio.sleep(0)  # the engine computes: the proposals go out
                         for key, view in zip(keys, views, strict=True):
@@ -238,7 +241,14 @@ def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_ch
             return store.stats()
 
     with _settings.override(prefetch_pacing="none"):
-        stats: dict[str, Any] = asyncio.run(main())
+        return asyncio.run(main())
+
+
+def test_store_runs_the_moe_policy_and_its_prefetches_read_the_right_bytes(st_checkpoint: Path) -> None:
+    """Every proposal is issued, and every view has the checkpoint's bytes."""
+    routed = [[((t + layer) % EXPERTS, (t + layer + 1) % EXPERTS) for layer in range(LAYERS)]
+              for t in range(12)]
+    stats = run_store_with_prefetch(st_checkpoint, "moe", routed)
     assert stats["policy"] == "moe" and stats["policy_fallback"] is None
     assert stats["policy_prefetch_batches"] > 0
     # Every proposal was issued or refused by the guard (which weighs measured waits, so the
