@@ -29,9 +29,10 @@ prefetch and nothing else, at LRU's cost per request:
 - **No work that cannot pay**: when the next layer's last visit found all it routed resident,
   or no bytes are free and LRU's oldest experts are fresh, no proposal is computed (at one
   token cycle that is most batches; with what the model routes resident, every one).
-- **Learning**: the pairs (this token's picks at a layer, at the next) are kept in a list and
-  added to the table once a token (one scatter-add), and a prompt's router rows
-  (``on_routing``) are learned row by row, so the first decode token already predicts.
+- **Learning**: a token's decode batches are kept in a list; at its end one array of its
+  picks gives the pairs (its picks at a layer, at the next) and the counts, one scatter-add
+  each (about 45 µs a token on 48 layers); a prompt's router rows (``on_routing``) are learned
+  row by row, so the first decode token already predicts.
 
 With compute on the event loop and no await in it, the store skips the batch-end work (the
 next batch begins first, ``iosched/_prefetch.py``) and this policy is LRU plus a visit count
@@ -131,11 +132,13 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """Per layer position: its visits begun so far."""
         self._batch_pos = -1
         self._batch: list[int] = []
-        self._prev: tuple[int, list[int]] | None = None
-        """The last complete decode batch: its position and picks."""
-        self._pairs: list[tuple[int, Sequence[int], Sequence[int]]] = []
-        self._picked: list[tuple[int, list[int]]] = []
-        """This token's decode batches so far, learned at its end (:meth:`_learn`)."""
+        self._visit_now = 0
+        """The visit count of the batch in progress (its layer's)."""
+        self._picked: list[tuple[int, list[int]] | None] = []
+        """This token's decode batches so far (``None``: a prompt's batch between them),
+        learned at its end (:meth:`_learn`)."""
+        self._tail: tuple[int, list[int]] | None = None
+        """The last batch learned, when learned mid-token (``history``): the next pairs with it."""
         self._rows: tuple[int, npt.NDArray[np.int64]] | None = None
         self._proposed: dict[Key, tuple[float, float]] = {}
         """The last batch end's proposals: their calibrated and raw probabilities."""
@@ -268,33 +271,24 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         return (where if where is not None else self._locate(key))[0]
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        # The hot path (a hit inside the batch in progress) is a few dict operations: a
+        # resident acquire costs this on every layer of every token (``iosched hitpath``).
         where = self._where.get(key)
-        p, expert = where if where is not None else self._locate(key)
-        if p != self._batch_pos or expert in self._batch:
-            decode = self._close_batch()
-            if self._now is not None:
-                if self._gap_start is not None:
-                    self._tok_gaps_s += self._now() - self._gap_start
-                    self._gap_start = None
-                if p == 0:
-                    self._token_begins(decode)
-            self._batch_pos = p
-            self._visits[p] += 1
-            self._missed[p] = False
-            if self._expected:
-                self._expected.pop(p, None)
-        self._batch.append(expert)
+        if where is None:
+            where = self._locate(key)
+        p, expert = where
+        batch = self._batch
+        if p != self._batch_pos or expert in batch:
+            self._begin_batch(p)
+            batch = self._batch
+        batch.append(expert)
         if hit:
             order = self._order
             if key in order:
-                order[key] = self._visits[p]
+                order[key] = self._visit_now
                 order.move_to_end(key)
-            if key in self._guesses:
-                guess = self._guesses.pop(key)
-                self._tok_used += 1
-                if guess is not None:
-                    self._guessed_p += guess
-                    self._guessed_used += 1.0
+            if self._guesses and key in self._guesses:
+                self._guess_used(key)
         else:
             self._tok_misses += 1
             self._missed[p] = True
@@ -302,20 +296,43 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             if left is not None and self._visits[p] - left <= 1:
                 self._reused += 1.0
 
+    def _begin_batch(self, p: int) -> None:
+        """A request at another layer position (or repeating an expert): the batch in
+        progress ends and one at ``p`` begins."""
+        decode = self._close_batch()
+        now = self._now
+        if now is not None:
+            if self._gap_start is not None:
+                self._tok_gaps_s += now() - self._gap_start
+                self._gap_start = None
+            if p == 0:
+                self._token_begins(decode)
+        self._batch_pos = p
+        self._visits[p] += 1
+        self._visit_now = self._visits[p]
+        self._missed[p] = False
+        if self._expected:
+            self._expected.pop(p, None)
+
+    def _guess_used(self, key: Key) -> None:
+        guess = self._guesses.pop(key)
+        self._tok_used += 1
+        if guess is not None:
+            self._guessed_p += guess
+            self._guessed_used += 1.0
+
     def _close_batch(self) -> bool:
-        """End the batch in progress; whether it was a decode batch (at most ``k`` keys)."""
+        """End the batch in progress; whether it was a decode batch (at most ``k`` keys).  A
+        decode batch joins this token's picks (:meth:`_learn` pairs neighbours); a prompt's
+        batch leaves a ``None`` there, so that its union pairs with nothing."""
         batch, pos = self._batch, self._batch_pos
         decode = bool(batch) and len(batch) <= self._k
         if decode:
-            prev = self._prev
-            if prev is not None and prev[0] == pos - 1:
-                self._pairs.append((prev[0], prev[1], batch))
             self._picked.append((pos, batch))
-            self._prev = (pos, batch)
             if pos == self._L - 1:
                 self._learn()
-        elif batch:
-            self._prev = None  # a prompt's batch: its union pairs nothing
+        elif batch and self._picked and self._picked[-1] is not None:
+            self._picked.append(None)
         self._batch = []
         self._batch_pos = -1
         return decode
@@ -338,24 +355,29 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
     def _token_done(self, seconds: float) -> None:
         """A decode token took ``seconds`` (its first layer's request to the next token's).
 
-        **The trial.**  A prefetch saves felt wait and costs time elsewhere.  On a few cores
-        that includes the engine's own compute: reader threads and the event loop take the
-        GIL and the cores from a compute thread (``moe``'s prefetching doubled the compute's
-        time, docs/benchmarks.md), and no accounting inside the store sees it.  What the
-        policy can see is the engine's time *between* batches, from a batch end (its leases
-        held) to the next batch's first request: the compute, slowed or not.  So the tokens
-        of the first :data:`TRIAL_PAIRS` pairs alternate (ABBA) between prefetching and not,
-        and each pair gives
+        **The trial.**  A prefetch saves felt wait and costs time elsewhere: its reads take
+        the drive from the demand reads, and on a few cores reader threads and the event loop
+        take the GIL and the cores from a compute thread (``moe``'s prefetching doubled the
+        compute's time, docs/benchmarks.md).  No accounting inside the store sees all of
+        that; the token's time does.  So the tokens of the first :data:`TRIAL_PAIRS` pairs
+        alternate (ABBA) between prefetching and not, and each pair gives
 
-            net = (time between batches, with) - (without) - used prefetches x price,
+            net = (token time, with) - (without)
+                  - (misses with + used prefetches with - misses without) x price,
 
-        the price of a miss being the token's time outside compute per miss, measured on the
-        token without.  If the mean ``net`` is above zero by more than :data:`T_975` standard
-        errors (from :data:`MIN_TRIAL_PAIRS` pairs on) the prefetch is off for good, which
-        leaves ``lru``; below zero by as much, on for good.  After :data:`TRIAL_PAIRS` pairs
-        without so clear an answer, the median pair decides: on if it is not above zero.  The time
-        between batches, unlike the felt wait, barely depends on the routing, which keeps
-        its noise small."""
+        the price of a miss being the token's time outside compute (outside the time between
+        batches) per miss, measured on the token without.  The last term takes out what the
+        routing alone changes between the two tokens: without the prefetch, the token with
+        would have missed its misses plus its used prefetches.  If the mean ``net`` is above
+        zero by more than :data:`T_975` standard errors (from :data:`MIN_TRIAL_PAIRS` pairs
+        on) the prefetch is off for good, which leaves ``lru``; below zero by as much, on for
+        good.  After :data:`TRIAL_PAIRS` pairs without so clear an answer, the median pair
+        decides: on if it is not above zero.
+
+        (The first trial compared the time between batches only, and priced the used
+        prefetches at a miss.  It kept a prefetch whose reads slowed the demand reads: 207
+        prefetches, 18 used, 0.965x ``lru``, critical path, synthetic trace s1, 3 GB/s,
+        1 ms a layer, 4 TD, docs/residency-notebook.md.)"""
         trial = self._trial
         if trial is None:
             return
@@ -367,9 +389,9 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._decode_tokens += 1
         if self._decode_tokens % 2:
             return
-        (_, gaps_on, _, used_on), (t_off, gaps_off, misses_off, _) = self._pair_on, self._pair_off
+        (t_on, _, misses_on, used_on), (t_off, gaps_off, misses_off, _) = self._pair_on, self._pair_off
         price = max(t_off - gaps_off, 0.0) / max(misses_off, 1)
-        trial.append(gaps_on - gaps_off - used_on * price)
+        trial.append(t_on - t_off - (misses_on + used_on - misses_off) * price)
         n = len(trial)
         mean = sum(trial) / n
         se = math.sqrt(sum((d - mean) ** 2 for d in trial) / (n - 1) / n) if n > 1 else math.inf
@@ -389,22 +411,38 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         mean, median = sum(trial) / len(trial), statistics.median(trial)
         self._verdict = (
             f"prefetch {'on' if on else 'off'} after {len(trial)} pairs of decode tokens: with it "
-            f"a token's compute took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) net of "
-            f"the waits its prefetches saved (standard error {se * 1e3:.1f} ms)")
+            f"a token took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) beyond what its "
+            f"routing explains (standard error {se * 1e3:.1f} ms)")
 
     def _learn(self) -> None:
-        """Once a token: the token's pairs into the co-activation table and its picks into
-        the popularity counts, one scatter-add each."""
-        if self._coact is not None:
-            self._coact.learn_many(self._pairs)
-        self._pairs = []
-        picked = self._picked
-        if picked:
-            rows = np.fromiter(itertools.chain.from_iterable(itertools.repeat(p, len(b)) for p, b in picked),
-                               dtype=np.intp)
-            cols = np.fromiter(itertools.chain.from_iterable(b for _, b in picked), dtype=np.intp)
-            np.add.at(self._popular, (rows, cols), 1.0)
-            self._picked = []
+        """Once a token: the token's pairs (neighbouring decode batches at neighbouring
+        positions) into the co-activation table and its picks into the popularity counts,
+        one scatter-add each."""
+        seq, tail = self._picked, self._tail
+        if not seq:
+            return
+        self._picked = []
+        # mid-token (``history``), the last batch is kept to pair with the next one
+        self._tail = seq[-1] if seq[-1] is not None and seq[-1][0] != self._L - 1 else None
+        E, k, coact = self._E, self._k, self._coact
+        if tail is not None:
+            seq = [tail, *seq]
+        new = slice(int(tail is not None), None)
+        if all(b is not None and len(b[1]) == k for b in seq):
+            # the usual token: k picks at each layer, one array for the pairs and the counts
+            picks = np.array([b[1] for b in seq if b is not None], dtype=np.intp)
+            pos = np.fromiter([b[0] for b in seq if b is not None], dtype=np.intp, count=len(seq))
+            if coact is not None:
+                ok = pos[1:] == pos[:-1] + 1
+                coact.learn_arrays(pos[:-1][ok], picks[:-1][ok], picks[1:][ok])
+            np.add.at(self._popular.reshape(-1), (pos[new, None] * E + picks[new]).ravel(), 1.0)
+            return
+        if coact is not None:
+            coact.learn_many([(a[0], a[1], b[1]) for a, b in itertools.pairwise(seq)
+                              if a is not None and b is not None and b[0] == a[0] + 1])
+        flat = [b[0] * E + e for b in seq[new] if b is not None for e in b[1]]
+        if flat:
+            np.add.at(self._popular.reshape(-1), flat, 1.0)
 
     def admit(self, key: Key, nbytes: int, victims: Sequence[Key] = ()) -> bool:
         return True
@@ -445,13 +483,16 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """The batch just made is complete: propose the next layer's likeliest experts that
         are not resident, best first."""
         batch, pos = self._batch, self._batch_pos
-        coact = self._coact
-        self._proposed.clear()
-        if self._now is not None and batch:
-            self._gap_start = self._now()  # the engine computes from here to the next batch
-        if coact is None or not batch or len(batch) > self._k or not self.prefetching:
+        if not batch:
             return []
-        nxt = (pos + 1) % self._L
+        if self._now is not None:
+            self._gap_start = self._now()  # the engine computes from here to the next batch
+        if self._proposed:
+            self._proposed.clear()
+        coact = self._coact
+        if coact is None or len(batch) > self._k or not (self._prefetching and self._width):
+            return []
+        nxt = pos + 1 if pos + 1 < self._L else 0
         if not self._could_admit(nxt):
             return []
         popular = self._popular[nxt]

@@ -212,11 +212,16 @@ def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint:
     assert stats["resident_bytes"] <= stats["budget_bytes"]
 
 
-def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3) -> list[bool]:
+def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
+                     wait_s: float = 0.0, extra_wait_s: float = 0.0,
+                     extra_miss: bool = False) -> list[bool]:
     """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
-    each layer's requests, its batch end, then the engine's compute until the next layer:
-    2.5 ms a layer (+-0.25 ms, seeded), plus ``extra_s / L`` when the token's arm prefetches
-    (what reader threads and the loop would take from a compute thread).  The arms."""
+    each layer's requests (all misses, ``wait_s`` each, plus ``extra_wait_s / L`` a layer when
+    the token's arm prefetches: its reads in the demand reads' way), its batch end, then the
+    engine's compute until the next layer: 2.5 ms a layer (+-0.25 ms, seeded), plus
+    ``extra_s / L`` when the token's arm prefetches (what reader threads and the loop would
+    take from a compute thread).  ``extra_miss``: the tokens without prefetch find their
+    second expert a layer resident (a routing that happens to miss less).  The arms."""
     rng = np.random.default_rng(seed)
     clock = [0.0]
     policy.set_clock(lambda: clock[0])
@@ -224,10 +229,13 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3)
     L = len(SHAPE.layers)
     for t in range(n):
         for layer in SHAPE.layers:
-            for e in ((t + layer) % 8, (t + layer + 3) % 8):
-                policy.on_request((layer, e), UNIT, False)
+            policy.on_request((layer, (t + layer) % 8), UNIT, False)
             if layer == 0:
                 arms.append(policy.prefetching)
+            second_hits = extra_miss and not arms[-1]
+            policy.on_request((layer, (t + layer + 3) % 8), UNIT, second_hits)
+            misses = 1 if second_hits else 2
+            clock[0] += misses * wait_s + (extra_wait_s / L if arms[-1] else 0.0)
             policy.end_batch()
             clock[0] += 0.0025 + float(rng.uniform(-2.5e-4, 2.5e-4)) + (extra_s / L if arms[-1] else 0.0)
     return arms
@@ -260,6 +268,26 @@ def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:
     assert measured == pytest.approx(5.0, abs=1.0)  # the 5 ms, within the +-1 ms of jitter
     assert not any(arms[2 * MIN_TRIAL_PAIRS + 1:]) and not policy.prefetching
     assert policy.end_batch() == []
+
+
+def test_the_trial_turns_off_a_prefetch_that_slows_the_demand_reads() -> None:
+    """The time between batches unchanged, but each layer's misses wait longer on the tokens
+    that prefetch (the prefetch's reads ahead of the demand reads on the drive): off."""
+    policy = coact()
+    arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.0, wait_s=5e-4, extra_wait_s=0.005)
+    verdict = str(policy.cost_verdict)
+    assert verdict.startswith(f"prefetch off after {MIN_TRIAL_PAIRS} pairs"), verdict
+    assert not any(arms[2 * MIN_TRIAL_PAIRS + 1:]) and not policy.prefetching
+
+
+def test_the_trial_prices_out_a_routing_that_misses_more_on_the_tokens_with_prefetch() -> None:
+    """The tokens that prefetch happen to miss one expert more a layer (the others find it
+    resident), each miss costing what the others do: they take longer, but their routing
+    explains all of it, so there is no clear answer and the median pair decides after all the
+    pairs."""
+    policy = coact()
+    run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=0.0, wait_s=5e-3, extra_miss=True)
+    assert f"after {TRIAL_PAIRS} pairs" in str(policy.cost_verdict), policy.cost_verdict
 
 
 def test_without_a_clock_there_is_no_trial() -> None:

@@ -132,3 +132,52 @@ def test_a_bad_scale_is_named(tmp_path: Path, scale: object) -> None:
     with pytest.raises(StoreError, match="--scale"):
         demo.demo_checkpoint(load_bundled_trace("gemma"), tmp_path, scale)  # type: ignore[arg-type]
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_resident_plays_every_arm_fully_resident_token_by_token(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resident``: every arm loaded whole, then the same tokens on each: nothing misses
+    after the load, each arm times every decode token, and the first arm is the paired
+    ratios' reference."""
+    with _settings.override(cache_dir=str(tmp_path)):
+        out = run_json(capsys, ["gemma", "--resident", "--policy", "lru,default,handwritten",
+                                "--tokens", "3", "--compute", "sleep:0", "--json"])
+    assert out["mode"] == "resident" and out["reference"] == "lru" and out["tokens"] == 3
+    rows = {r["policy"]: r for r in out["results"]}
+    assert list(rows) == ["lru", "default", "handwritten"]
+    everything = rows["lru"]["budget_bytes"]
+    for name, row in rows.items():
+        assert row["tokens"] == 3 and row["tokens_per_s"] > 0 and row["budget_bytes"] == everything
+        assert row["felt_wait_per_token_ms"] == pytest.approx(0.0, abs=1.0), name
+        assert row["decode_hit"] == 1.0 and row["requests"] > 0, name
+        if name != "handwritten":
+            assert row["store_misses_after_load"] == 0, name
+    assert rows["lru"]["paired_time_vs_first"] == 1.0
+    assert rows["default"]["paired_tokens_per_s_vs_first"] > 0
+
+
+def test_resident_refuses_a_budget_that_does_not_hold_the_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(tmp_path)):
+        out = run_json(capsys, ["gemma", "--resident", "--cycles", "1", "--policy", "lru,default",
+                                "--tokens", "1", "--compute", "sleep:0", "--json"], status=2)
+    assert "do not hold the checkpoint" in out["error"] and "--cycles 21.34 or more" in out["error"]
+    out = run_json(capsys, ["gemma", "--resident", "--cycles", "1,2", "--policy", "lru,default",
+                            "--json"], status=2)
+    assert "one --cycles value" in out["error"]
+    out = run_json(capsys, ["gemma", "--resident", "--policy", "lru", "--json"], status=2)
+    assert "two or more distinct" in out["error"]
+    out = run_json(capsys, ["gemma", "--resident", "--simulate", "--json"], status=2)
+    assert "--resident" in out["error"] and "--simulate" in out["error"]
+
+
+def test_resident_groups_are_whole_tokens_and_prompt_batches() -> None:
+    from iosched.tools.resident_bench import groups_of
+    from iosched.tools.trace import load_bundled_trace
+
+    trace = load_bundled_trace("gemma")
+    groups = groups_of(trace, 2)
+    decode = [g for is_decode, g in groups if is_decode]
+    assert len(decode) == 2 and all(len(g) == len(trace.layers) for g in decode)
+    assert all(len(g) == 1 for is_decode, g in groups if not is_decode)
+    assert sum(len(g) for _, g in groups_of(trace, None)) == len(list(trace.batches()))

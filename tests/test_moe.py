@@ -332,8 +332,8 @@ def test_store_paces_policy_prefetch_by_idle_drive_time(st_checkpoint: Path) -> 
 def test_usage_history_is_saved_loaded_and_pins_the_busiest(st_checkpoint: Path, tmp_path: Path) -> None:
     """Run 1 routes expert 0 of every layer at every token and writes its history at close;
     run 2 loads it (decayed), pins those experts, and a bad or foreign file is refused by
-    name without being overwritten.  (``moe`` itself: the default's history stops growing
-    where it switches to lru, tests/test_earned.py.)"""
+    name without being overwritten.  (``moe`` itself; ``coact``, the default, writes the same
+    format without the hazard fields, tests/test_coact.py.)"""
     import asyncio
 
     from iosched.residency import _history

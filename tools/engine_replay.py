@@ -26,12 +26,13 @@ offline policies (``tools/_replay_policies.py``), so the two do not import each 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from iosched import ExpertStore, StoreError, load_index
+from iosched import CheckpointIndex, ExpertStore, StoreError, load_index
 from iosched.backends import Backend, create, resolve
 from iosched.backends.throttle import ThrottledBackend
 
@@ -122,8 +123,38 @@ async def _handwritten_run(folder: Path, trace: RouteTrace, cycles: float, budge
     return result_row(HANDWRITTEN, cycles, s, run, wall, engine)
 
 
+def require_holds(budget: int, cycles: float, index: CheckpointIndex, ckpt: Path, td: int) -> None:
+    """A StoreError unless ``budget`` (``cycles`` token cycles of ``td`` bytes) holds every
+    expert of the checkpoint ``ckpt``, naming the cycles that would."""
+    everything = sum(lay.nbytes for lay in index.experts.values())
+    if budget < everything:
+        raise StoreError(f"--resident: {cycles:g} token cycles ({budget:,} B) do not hold the "
+                         f"checkpoint {ckpt} ({everything:,} B of experts); give --cycles "
+                         f"{math.ceil(everything / td * 100) / 100:g} or more, or leave --cycles out")
+
+
+async def load_everything(store: ExpertStore | HandwrittenEngineStore, index: CheckpointIndex) -> None:
+    """``--resident`` (``tools/resident_bench.py``): lease every expert of the checkpoint once,
+    a layer at a time, then once more, each of which must hit (the fully resident case: the
+    budget holds the checkpoint, so nothing is evicted and the timed run misses nothing).  A
+    StoreError if an expert did not stay resident."""
+    by_layer: dict[int, list[tuple[int, int]]] = {}
+    for layer, expert in index.experts:
+        by_layer.setdefault(layer, []).append((layer, expert))
+    for layer in sorted(by_layer):
+        async with store.acquire_many(sorted(by_layer[layer])):
+            pass
+    before = store.request_tally.hits
+    for layer in sorted(by_layer):  # a second pass: every expert must hit
+        async with store.acquire_many(sorted(by_layer[layer])):
+            pass
+    if store.request_tally.hits - before != len(index.experts):
+        raise StoreError("--resident: the checkpoint did not stay resident under this budget; "
+                         "give --cycles that hold all of it")
+
+
 def result_row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wall: float,
-         engine: Compute) -> dict[str, Any]:
+               engine: Compute) -> dict[str, Any]:
     growth = s["budget_growth"]
     return {
         "policy": policy,

@@ -812,6 +812,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help='real I/O: one more run per policy with budget_bytes="auto", which opens at '
                         "auto_start_cycles and grows while the felt wait a larger budget would have "
                         "saved exceeds the memory-stall time (its row: the budget it ended with)")
+    p.add_argument("--resident", action="store_true",
+                   help="real I/O: the fully resident case: every arm open at once with the whole "
+                        "checkpoint loaded (budget: one --cycles value that holds it, or by default "
+                        "the checkpoint's bytes), the trace played token by token on each arm in "
+                        "turn; reports tokens/s and the paired ratio against the first --policy "
+                        "(tools/resident_bench.py)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -861,9 +867,39 @@ def _print_note(text: str) -> None:
     Console().print(Text(text, style="dim"))
 
 
+def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
+    from . import _runner, resident_bench
+
+    for flag, given in (("--auto-budget", getattr(args, "auto_budget", False)),
+                        ("--throttle-mbps", getattr(args, "throttle_mbps", None) is not None),
+                        ("--lookahead-recall", getattr(args, "lookahead_recall", None) is not None),
+                        ("--compute-ms", args.compute_ms is not None),
+                        ("--compare-libcachesim", args.compare_libcachesim)):
+        if given:
+            raise StoreError(f"{flag} does not combine with --resident (nothing is read there)")
+    cycles: float | None = None
+    if args.cycles != DEFAULT_CYCLES:
+        values = parse_cycles(args.cycles)
+        if len(values) != 1:
+            raise StoreError("--resident runs one budget: give one --cycles value, or none (the "
+                             "checkpoint's bytes)")
+        cycles = values[0]
+    policies = parse_policies(args.policy, getattr(args, "experimental", False), real=True)
+    trace = load_trace(args.trace, args.expert_bytes)
+    with run_progress("replay --resident", 1 + len(policies)) as on_run:
+        out: dict[str, Any] = _runner.run(lambda: resident_bench.replay_resident(
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            backend=args.backend, max_tokens=args.tokens, scale=args.scale, on_run=on_run))
+    if not args.json:
+        _print_table(resident_bench.resident_table(out))
+    return out
+
+
 def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     from . import _runner, engine_replay
 
+    if getattr(args, "resident", False):
+        return _cmd_resident(args)
     if args.compare_libcachesim:
         raise StoreError("--compare-libcachesim needs --simulate")
     cycles = parse_cycles(args.cycles)
@@ -976,6 +1012,9 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, "critical_path", False):
             raise StoreError("--critical-path needs --simulate (it is the virtual-time replay of the store)")
         return _cmd_real(args)
+    if getattr(args, "resident", False):
+        raise StoreError("--resident is the real-I/O replay's (drop --simulate): the simulation "
+                         "gives the fully resident case a budget that holds the trace")
     if getattr(args, "critical_path", False):
         return _cmd_critical_path(args)
     cycles = parse_cycles(args.cycles)
