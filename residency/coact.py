@@ -331,8 +331,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             self._picked.append((pos, batch))
             if pos == self._L - 1:
                 self._learn()
-        elif batch and self._picked and self._picked[-1] is not None:
-            self._picked.append(None)
+        elif batch:
+            self._tail = None
+            if self._picked and self._picked[-1] is not None:
+                self._picked.append(None)
         self._batch = []
         self._batch_pos = -1
         return decode

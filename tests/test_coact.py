@@ -316,3 +316,49 @@ def test_a_layer_whose_last_visit_missed_nothing_is_not_predicted() -> None:
     assert policy._resident_in[1] < 8  # not for want of room: for want of a miss
     policy._missed[1] = True  # as if layer 1's last visit had missed
     assert policy._could_admit(1) or policy._held >= 3 * TD
+
+
+def _request_token(policy: CoactPolicy, picks: list[list[int]], history_after: int | None = None) -> None:
+    for pos, experts in enumerate(picks):
+        for e in experts:
+            policy.on_request((SHAPE.layers[pos], e), UNIT, False)
+        policy.end_batch()
+        if history_after == pos:
+            policy.history()
+
+
+def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_history_changes_nothing() -> None:
+    """The co-activation table gains one count per (pick at a layer, pick at the next) of
+    each token, nothing across tokens and nothing across a prompt's batch; the pick counts one
+    per decode pick; and reading the history mid-token leaves the same tables."""
+    L = len(SHAPE.layers)
+    tokens = [[[(t + p) % 8, (t + p + 3) % 8] for p in range(L)] for t in range(3)]
+    plain, peeked = coact(), coact()
+    for t, picks in enumerate(tokens):
+        _request_token(plain, picks)
+        _request_token(peeked, picks, history_after=1 if t == 1 else None)
+    for policy in (plain, peeked):  # the next token's first request closes the last batch
+        policy.on_request((SHAPE.layers[0], 7), UNIT, False)
+    for name in ("counts", "picks"):
+        assert np.array_equal(getattr(plain._coact, name), getattr(peeked._coact, name)), name
+    assert np.array_equal(plain._popular, peeked._popular)
+    counts = plain._coact.counts
+    assert counts is not None
+    expected = np.zeros_like(counts)
+    for picks in tokens:
+        for p in range(L - 1):
+            for i in picks[p]:
+                for j in picks[p + 1]:
+                    expected[p, i, j] += 1
+    assert np.array_equal(counts, expected)  # and nothing from the last layer to the first
+    assert plain._popular.sum() == plain._popular.size + 2 * L * len(tokens)
+    # a prompt's batch (more than k experts) between two decode batches pairs nothing
+    cut = coact()
+    for e in tokens[0][0]:
+        cut.on_request((SHAPE.layers[0], e), UNIT, False)
+    for e in range(8):
+        cut.on_request((SHAPE.layers[0], e), UNIT, False)  # repeats: a batch of its own
+    cut.on_request((SHAPE.layers[1], 0), UNIT, False)
+    cut.on_request((SHAPE.layers[1], 1), UNIT, False)
+    cut.history()
+    assert cut._coact.counts is not None and not cut._coact.counts.any()

@@ -171,6 +171,12 @@ def test_drive_from_a_topology_probe(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert out["drive_mbps"] == pytest.approx(1000.0)
     assert out["drive_latency_us"] == pytest.approx(1e6 * (2e-3 - (1 << 20) / 1e9))
     assert out["drive_probe"]["drive"] == "vda"
+    # modelled as a rate limit in front of the drive: each read takes the drive's whole
+    # depth-1 time behind the limit (nothing of it is the limit's bandwidth)
+    out = _critical(capsys, tmp_path, "--policy", "lru", "--drive", str(path), "--cpu", "free",
+                    "--drive-mbps", "400", "--drive-burst-ms", "2")
+    assert out["drive_mbps"] == pytest.approx(400.0) and out["drive_burst_ms"] == pytest.approx(2.0)
+    assert out["drive_latency_us"] == pytest.approx(2000.0)
 
 
 def test_compute_model_spellings_and_calibration() -> None:

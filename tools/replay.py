@@ -751,7 +751,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "volume or --throttle-mbps is (default 0: a drive's own transfer pipe)")
     p.add_argument("--drive", default=None, metavar="FILE.json",
                    help="critical path: the drive model from `iosched topology PATH --probe --json` "
-                        "written to FILE.json (its depth-qd MB/s and depth-1 latency)")
+                        "written to FILE.json (its depth-qd MB/s and depth-1 latency; with "
+                        "--drive-burst-ms, its whole depth-1 read time behind the rate limit)")
     p.add_argument("--compute-model", type=parse_compute_model, default=None,
                    metavar="calibrate|const:MS|linear:MS,MS_PER_MIB,MS_PER_MIB_ROW",
                    help="critical path: a layer's modelled compute (default calibrate: the real "
@@ -938,7 +939,7 @@ def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth, latency = DEFAULT_DRIVE_MBPS * 1e6, DEFAULT_DRIVE_LATENCY_US / 1e6
     facts = None
     if args.drive is not None:
-        bandwidth, latency, facts = critical_path.drive_from_probe(args.drive)
+        bandwidth, latency, facts = critical_path.drive_from_probe(args.drive, rate_limited=args.drive_burst_ms > 0)
     if args.drive_mbps is not None:
         bandwidth = args.drive_mbps * 1e6
     if args.drive_latency_us is not None:
