@@ -342,6 +342,7 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
     for name in ("counts", "picks"):
         assert np.array_equal(getattr(plain._coact, name), getattr(peeked._coact, name)), name
     assert np.array_equal(plain._popular, peeked._popular)
+    assert plain._coact is not None
     counts = plain._coact.counts
     assert counts is not None
     expected = np.zeros_like(counts)
@@ -361,4 +362,5 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
     cut.on_request((SHAPE.layers[1], 0), UNIT, False)
     cut.on_request((SHAPE.layers[1], 1), UNIT, False)
     cut.history()
-    assert cut._coact.counts is not None and not cut._coact.counts.any()
+    assert cut._coact is not None and cut._coact.counts is not None
+    assert not cut._coact.counts.any()
