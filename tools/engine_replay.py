@@ -149,8 +149,8 @@ async def load_everything(store: ExpertStore | HandwrittenEngineStore, index: Ch
         async with store.acquire_many(sorted(by_layer[layer])):
             pass
     if store.request_tally.hits - before != len(index.experts):
-        raise StoreError("--resident: the checkpoint did not stay resident under this budget; "
-                         "give --cycles that hold all of it")
+        raise StoreError(f"--resident: the checkpoint {index.root} did not stay resident under "
+                         f"this budget; give --cycles that hold all of it")
 
 
 def result_row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRun, wall: float,
