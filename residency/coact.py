@@ -430,10 +430,11 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         if tail is not None:
             seq = [tail, *seq]
         new = slice(int(tail is not None), None)
-        if all(b is not None and len(b[1]) == k for b in seq):
+        batches = [b for b in seq if b is not None]
+        if len(batches) == len(seq) and all(len(b[1]) == k for b in batches):
             # the usual token: k picks at each layer, one array for the pairs and the counts
-            picks = np.array([b[1] for b in seq if b is not None], dtype=np.intp)
-            pos = np.fromiter([b[0] for b in seq if b is not None], dtype=np.intp, count=len(seq))
+            picks = np.array([b[1] for b in batches], dtype=np.intp)
+            pos = np.fromiter([b[0] for b in batches], dtype=np.intp, count=len(batches))
             if coact is not None:
                 ok = pos[1:] == pos[:-1] + 1
                 coact.learn_arrays(pos[:-1][ok], picks[:-1][ok], picks[1:][ok])

@@ -280,24 +280,21 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
         raise StoreError("--tokens must be positive")
     ckpt = demo.demo_checkpoint(trace, folder, scale, sparse=True)
     index = load_index(ckpt)
-    by_layer = index.expert_bytes_by_layer()
-    ck_layers = sorted(by_layer)
-    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
-    expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
-    td = trace.k * sum(by_layer.values())
+    layer_map, expert_bytes, td = engine_replay.map_layers(trace, label, ckpt, index)
+    largest = max(expert_bytes.values())
     calibrated = compute_model is None
     contend = (drive_facts or {}).get("probe_file")
     if contend is not None and not os.path.isfile(contend):
         contend = None
     read_cpu_measured = read_cpu is None
     if read_cpu is None:
-        read_cpu = read_overhead(contend, max(by_layer.values()), backend) if contend is not None else 0.0
+        read_cpu = read_overhead(contend, largest, backend) if contend is not None else 0.0
     if compute_model is None:
         hidden, inter = demo.REAL_HIDDEN // scale, demo.REAL_INTERMEDIATE // scale
         compute_model = calibrate(hidden, inter, trace.k, contend=contend,
                                   contend_depth=int((drive_facts or {}).get("probe_qd") or 8))
     depth = int((drive_facts or {}).get("probe_qd") or 8)
-    scales = {name: (cpu_scale(ckpt, name, trace.k, contend, max(by_layer.values()), depth)
+    scales = {name: (cpu_scale(ckpt, name, trace.k, contend, largest, depth)
                      if contend is not None and charge_cpu else 1.0) for name in policies}
     results: list[dict[str, Any]] = []
     for c in cycles:

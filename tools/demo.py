@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError, clock, load_index, settings
 from iosched.backends import resolve
@@ -249,6 +250,16 @@ def other_ms_per_token(run: EngineRun) -> float:
     return 1e3 * (run.decode_seconds - run.decode_felt_wait_s - run.decode_compute_s) / run.tokens
 
 
+def rows_per_expert(keys: list[int], rows: npt.NDArray[np.integer[Any]] | None) -> list[int]:
+    """The tokens each of a batch's experts ``keys`` computes on: the rows of the router's
+    output (``rows``, padded with -1) that routed it, or one each without rows (a decode
+    batch); a row picks an expert once."""
+    if rows is None:
+        return [1] * len(keys)
+    counts: list[int] = np.bincount(rows[rows >= 0], minlength=max(keys) + 1)[keys].tolist()
+    return counts
+
+
 def _hit_counters(store: EngineStore) -> tuple[int, int]:
     """``(requests, hits + single-flight joins)`` so far: the store's request tally (cheap:
     ``stats()`` builds a whole snapshot, and this runs once per batch)."""
@@ -322,9 +333,7 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
         if routing and rows is not None:  # a prompt's rows: what its router chose, per token
             store.observe_routing(ckpt_layer, rows)
         keys = experts.tolist()
-        # each expert computes on the tokens routed to it (decode: one; a row picks an expert once)
-        per_expert = ([1] * len(keys) if rows is None
-                      else np.bincount(rows[rows >= 0], minlength=max(keys) + 1)[keys].tolist())
+        per_expert = rows_per_expert(keys, rows)
         async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
             r1, h1 = _hit_counters(store)
             if lookahead is not None and decode and batch + 1 < len(batches):

@@ -123,10 +123,30 @@ async def _handwritten_run(folder: Path, trace: RouteTrace, cycles: float, budge
     return result_row(HANDWRITTEN, cycles, s, run, wall, engine)
 
 
+def map_layers(trace: RouteTrace, label: str, ckpt: Path,
+               index: CheckpointIndex) -> tuple[dict[int, int], dict[int, int], int]:
+    """The checkpoint built for ``trace`` against the trace: the trace's layers renamed to the
+    checkpoint's (in order), each trace layer's expert bytes, and TD (k x the checkpoint's
+    expert bytes summed over layers); a StoreError naming both when the layer counts differ."""
+    by_layer = index.expert_bytes_by_layer()
+    ck_layers = sorted(by_layer)
+    if len(ck_layers) != len(trace.layers):
+        raise StoreError(f"checkpoint {ckpt} has {len(ck_layers)} MoE layers, the trace "
+                         f"{label} {len(trace.layers)}; delete the folder to rebuild it")
+    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
+    expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
+    return layer_map, expert_bytes, trace.k * sum(by_layer.values())
+
+
+def checkpoint_bytes(index: CheckpointIndex) -> int:
+    """The bytes of every expert of the checkpoint: the budget that holds all of it."""
+    return sum(lay.nbytes for lay in index.experts.values())
+
+
 def require_holds(budget: int, cycles: float, index: CheckpointIndex, ckpt: Path, td: int) -> None:
     """A StoreError unless ``budget`` (``cycles`` token cycles of ``td`` bytes) holds every
     expert of the checkpoint ``ckpt``, naming the cycles that would."""
-    everything = sum(lay.nbytes for lay in index.experts.values())
+    everything = checkpoint_bytes(index)
     if budget < everything:
         raise StoreError(f"--resident: {cycles:g} token cycles ({budget:,} B) do not hold the "
                          f"checkpoint {ckpt} ({everything:,} B of experts); give --cycles "
@@ -224,14 +244,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     spec = ComputeSpec("sleep", compute_ms / 1e3) if compute_ms is not None else compute or NUMPY
     ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder, scale)
     index = await asyncio.to_thread(load_index, ckpt)
-    by_layer = index.expert_bytes_by_layer()
-    ck_layers = sorted(by_layer)
-    if len(ck_layers) != len(trace.layers):
-        raise StoreError(f"checkpoint {ckpt} has {len(ck_layers)} MoE layers, the trace "
-                         f"{label} {len(trace.layers)}; delete the folder to rebuild it")
-    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
-    expert_bytes = {tl: by_layer[cl] for tl, cl in layer_map.items()}
-    td = trace.k * sum(by_layer.values())
+    layer_map, expert_bytes, td = map_layers(trace, label, ckpt, index)
     results: list[dict[str, Any]] = []
     arms: list[tuple[float, int | str]] = [(c, max(1, int(c * td))) for c in cycles]
     if auto:

@@ -75,10 +75,8 @@ async def _play(store: Any, trace: RouteTrace, group: Group, decode: bool, after
         if rows is not None:
             store.observe_routing(ckpt_layer, rows)
         keys = experts.tolist()
-        per_expert = ([1] * len(keys) if rows is None
-                      else np.bincount(rows[rows >= 0], minlength=max(keys) + 1)[keys].tolist())
         async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
-            await compute.layer(views, per_expert)
+            await compute.layer(views, demo.rows_per_expert(keys, rows))
 
 
 async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, policies: Sequence[str], *,
@@ -97,15 +95,9 @@ async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, p
     spec = compute or NUMPY
     ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder, scale)
     index = await asyncio.to_thread(load_index, ckpt)
-    by_layer = index.expert_bytes_by_layer()
-    ck_layers = sorted(by_layer)
-    if len(ck_layers) != len(trace.layers):
-        raise StoreError(f"checkpoint {ckpt} has {len(ck_layers)} MoE layers, the trace "
-                         f"{label} {len(trace.layers)}; delete the folder to rebuild it")
-    layer_map = dict(zip(trace.layers, ck_layers, strict=True))
-    td = trace.k * sum(by_layer.values())
+    layer_map, _, td = engine_replay.map_layers(trace, label, ckpt, index)
     if cycles is None:
-        budget = sum(lay.nbytes for lay in index.experts.values())
+        budget = engine_replay.checkpoint_bytes(index)
         cycles = budget / td
     else:
         budget = max(1, int(cycles * td))
