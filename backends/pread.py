@@ -10,6 +10,10 @@ first page it would have to wait for; the rest is then read normally.  A read th
 whole from the first try needed no device I/O.  It is the read itself, not an extra probe:
 a cached read costs the same system call as before, an uncached one one more (which starts the
 readahead the blocking read would start anyway); measured in ``docs/telemetry.md``.
+
+``RWF_NOWAIT`` alone is not enough: it starts readahead on a miss, and a fast drive can finish
+it inside the call, so a drive read came back whole (``_cachestat``).  Where ``cachestat(2)``
+runs, it gates the try: a range with a page not cached is read plainly and is a drive read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, ClassVar
 from iosched._errors import InvariantError, ReadError
 
 from ._base import Caps
+from ._cachestat import CacheStat
 from ._util import run_to_completion
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
@@ -55,12 +60,14 @@ class PageCacheProbe:
 
     Per file, until the filesystem refuses ``RWF_NOWAIT`` (EOPNOTSUPP: no ``FMODE_NOWAIT``);
     from then on that file's reads are plain and answer ``False`` (counted as drive reads),
-    and ``info()`` names the file."""
+    and ``info()`` names the file.  Invariant: ``True`` only when ``cachestat(2)`` (where it
+    runs) saw every page cached before the read and ``RWF_NOWAIT`` then returned them all."""
 
     def __init__(self) -> None:
         self._paths: list[str] = []
         self._nowait: list[bool] = []
         self.refused: dict[str, str] = {}
+        self._stat = CacheStat()
 
     def open(self, paths: Sequence[str]) -> None:
         self._paths = list(paths)
@@ -70,6 +77,8 @@ class PageCacheProbe:
         """``pread_into``, and ``True`` when every byte came from cached pages."""
         path = self._paths[file]
         if not self._nowait[file] or _RWF_NOWAIT is None:
+            return pread_into(fd, offset, length, buf, path), False
+        if self._stat.cached(fd, offset, length) is False:  # RWF_NOWAIT's readahead could hide it
             return pread_into(fd, offset, length, buf, path), False
         try:
             first = os.preadv(fd, [buf[:length]], offset, _RWF_NOWAIT)
@@ -87,8 +96,14 @@ class PageCacheProbe:
         return first + rest, rest == 0  # nothing left to read: the file ended in cached pages
 
     def info(self) -> dict[str, Any]:
-        return {"page_cache_probe": "preadv2(RWF_NOWAIT)" if _RWF_NOWAIT is not None else "none",
-                "page_cache_probe_refused": dict(self.refused)}
+        if _RWF_NOWAIT is None:
+            probe = "none"
+        elif self._stat.available:
+            probe = "cachestat+preadv2(RWF_NOWAIT)"
+        else:
+            probe = "preadv2(RWF_NOWAIT)"
+        return {"page_cache_probe": probe, "page_cache_probe_refused": dict(self.refused),
+                "page_cache_probe_cachestat": self._stat.reason or "yes"}
 
 
 def open_all(paths: Sequence[str], flags: int) -> list[int]:
