@@ -14,6 +14,7 @@ What is checked, and why:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ def test_resident_refuses_a_budget_that_does_not_hold_the_checkpoint(
 
 
 def test_resident_groups_are_whole_tokens_and_prompt_batches() -> None:
-    from iosched.tools.resident_bench import groups_of
+    from iosched.tools.paired_bench import groups_of
     from iosched.tools.trace import load_bundled_trace
 
     trace = load_bundled_trace("gemma")
@@ -181,3 +182,80 @@ def test_resident_groups_are_whole_tokens_and_prompt_batches() -> None:
     assert len(decode) == 2 and all(len(g) == len(trace.layers) for g in decode)
     assert all(len(g) == 1 for is_decode, g in groups if not is_decode)
     assert sum(len(g) for _, g in groups_of(trace, None)) == len(list(trace.batches()))
+
+
+def test_paired_plays_every_arm_cold_token_by_token(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--paired``: the arms open empty, play the same tokens in turn, and each row says what
+    its own arm read; lru and the hand-written engine, both LRUs of the same budget, hit the
+    same requests (the paired design changes when a token runs, not what it routes)."""
+    with _settings.override(cache_dir=str(tmp_path)):
+        out = run_json(capsys, ["gemma", "--paired", "--cycles", "1,4", "--policy", "lru,default,handwritten",
+                                "--tokens", "3", "--compute", "sleep:0", "--json"])
+    assert out["mode"] == "paired" and out["reference"] == "lru" and out["tokens"] == 3 and out["cold"]
+    assert [Path(c).name for c in out["copies"]] == [Path(out["checkpoint"]).name + f".copy{i}" for i in (1, 2, 3)]
+    assert [(r["policy"], r["cycles"]) for r in out["results"]] == [
+        (p, c) for c in (1.0, 4.0) for p in ("lru", "default", "handwritten")]
+    for row in out["results"]:
+        assert row["tokens"] == 3 and row["tokens_per_s"] > 0 and row["bytes_read"] > 0, row
+        assert row["budget_bytes"] == int(row["cycles"] * out["td_bytes"])
+        assert row["decode_requests"] == 3 * 30 * out["k"] and 0.0 <= row["decode_hit"] <= 1.0
+        assert row["paired_q1"] <= row["paired_tokens_per_s_vs_first"] <= row["paired_q3"]
+    by = {(r["policy"], r["cycles"]): r for r in out["results"]}
+    for c in (1.0, 4.0):
+        assert by[("lru", c)]["paired_tokens_per_s_vs_first"] == 1.0
+        assert by[("lru", c)]["decode_hit"] == by[("handwritten", c)]["decode_hit"]
+
+
+def test_paired_refuses_what_it_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["gemma", "--paired", "--policy", "lru", "--json"], status=2)
+    assert "two or more distinct" in out["error"]
+    out = run_json(capsys, ["gemma", "--paired", "--simulate", "--json"], status=2)
+    assert "--paired" in out["error"] and "--simulate" in out["error"]
+    out = run_json(capsys, ["gemma", "--paired", "--resident", "--policy", "lru,default", "--json"], status=2)
+    assert "--resident does not combine with --paired" in out["error"]
+    out = run_json(capsys, ["gemma", "--paired", "--policy", "lru,belady", "--json"], status=2)
+    assert "belady" in out["error"]
+
+
+def test_arm_clock_runs_only_while_its_arm_plays() -> None:
+    import time
+
+    from iosched import clock
+    from iosched.tools.paired_bench import ArmClock
+
+    arm = ArmClock()
+    arm.pause()
+    frozen = arm.now()
+    time.sleep(0.02)
+    assert arm.now() == frozen  # paused: it stands still
+    arm.resume()
+    with clock.use(arm.now):
+        a = clock.now()
+        time.sleep(0.01)
+        b = clock.now()
+    assert frozen <= a < b and b - a >= 0.009  # running: real seconds, from where it stopped
+    assert a - frozen < 0.01  # the 20 ms paused are not on it
+
+
+def test_arm_copies_are_made_once_and_never_touch_the_original(tmp_path: Path) -> None:
+    from iosched.tools.paired_bench import arm_copies
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "a.safetensors").write_bytes(b"x" * 5000)
+    (ckpt / "index.json").write_text("{}")
+    (ckpt / ".complete").write_text("built\n")
+    before = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in ckpt.iterdir()}
+    one, two = arm_copies(ckpt, 2)
+    assert [one.name, two.name] == ["ckpt.copy1", "ckpt.copy2"]
+    for copy in (one, two):
+        assert (copy / "a.safetensors").read_bytes() == b"x" * 5000 and (copy / "index.json").read_text() == "{}"
+        assert (copy / ".complete").exists() and os.stat(copy / "a.safetensors").st_ino != os.stat(
+            ckpt / "a.safetensors").st_ino  # a copy of the bytes, not a link to the same blocks
+    stamp = (one / "a.safetensors").stat().st_mtime_ns
+    assert arm_copies(ckpt, 1) == [one] and (one / "a.safetensors").stat().st_mtime_ns == stamp  # reused
+    (two / "a.safetensors").write_bytes(b"short")  # a copy that no longer matches: made again
+    assert arm_copies(ckpt, 2)[1] == two and (two / "a.safetensors").read_bytes() == b"x" * 5000
+    assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in ckpt.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.copy1", "ckpt.copy2"]

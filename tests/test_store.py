@@ -353,3 +353,22 @@ async def test_close_wakes_waiters(st_checkpoint: Path, backend: str) -> None:
     with pytest.raises(StoreClosed):
         await waiter
     await lease.__aexit__(None, None, None)
+
+
+async def test_settle_waits_for_prefetches_in_flight(st_checkpoint: Path, backend: str) -> None:
+    """``settle()``: once it returns nothing is loading, and what was prefetched is resident;
+    on a closed store it raises, as every call does."""
+    store = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30, backend=backend, policy="lru")
+    async with store:
+        keys = [(0, e) for e in range(4)]
+        assert store.prefetch(keys) == 4
+        assert store.stats()["loading"] == 4  # started, not done: prefetch never blocks
+        await store.settle()
+        s = store.stats()
+        assert s["loading"] == 0 and s["misses"] == 0 and s["resident_bytes"] > 0
+        async with store.acquire_many(keys):
+            pass
+        assert store.stats()["hits"] == 4
+        await store.settle()  # nothing in flight: returns at once
+    with pytest.raises(StoreClosed):
+        await store.settle()

@@ -102,6 +102,9 @@ class HandwrittenEngineStore(HandwrittenLRU):
     def end_turn(self) -> int:
         return self.budget
 
+    async def settle(self) -> None:
+        pass  # its reads are the engine's own awaits: nothing runs behind them
+
     def observe_routing(self, layer: int, experts: Any) -> None:
         pass
 

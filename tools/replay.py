@@ -819,6 +819,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "the checkpoint's bytes), the trace played token by token on each arm in "
                         "turn; reports tokens/s and the paired ratio against the first --policy "
                         "(tools/resident_bench.py)")
+    p.add_argument("--paired", action="store_true",
+                   help="real I/O: cold runs of every arm at once, the trace played token by token on "
+                        "each arm in turn (order rotated, each arm settled after its token), so the "
+                        "arms share the drive's speed of the moment; reports tokens/s and the paired "
+                        "ratio against the first --policy, per --cycles value (tools/paired_bench.py)")
+    p.add_argument("--shared-files", action="store_true",
+                   help="real I/O, with --paired: every arm reads the one checkpoint (by default each "
+                        "arm reads its own copy, made once beside it, so that a drive behind a "
+                        "caching host does not serve one arm what another read)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -896,9 +905,40 @@ def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _cmd_paired(args: argparse.Namespace) -> dict[str, Any]:
+    from . import _runner, paired_bench
+
+    for flag, given in (("--auto-budget", getattr(args, "auto_budget", False)),
+                        ("--resident", getattr(args, "resident", False)),
+                        ("--throttle-mbps", getattr(args, "throttle_mbps", None) is not None),
+                        ("--lookahead-recall", getattr(args, "lookahead_recall", None) is not None),
+                        ("--compute-ms", args.compute_ms is not None),
+                        ("--keys-only", getattr(args, "keys_only", False)),
+                        ("--compare-libcachesim", args.compare_libcachesim)):
+        if given:
+            raise StoreError(f"{flag} does not combine with --paired")
+    cycles = parse_cycles(args.cycles)
+    policies = parse_policies(args.policy, getattr(args, "experimental", False), real=True)
+    trace = load_trace(args.trace, args.expert_bytes)
+    width = (contextlib.nullcontext() if args.prefetch_width is None
+             else settings.override(prefetch_width=args.prefetch_width))
+    with run_progress("replay --paired", 1 + len(cycles) * (2 + len(policies))) as on_run, width:
+        out: dict[str, Any] = _runner.run(lambda: paired_bench.replay_paired(
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
+            copies=not args.shared_files, on_run=on_run))
+    if not args.json:
+        _print_table(paired_bench.paired_table(out))
+    return out
+
+
 def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     from . import _runner, engine_replay
 
+    if getattr(args, "paired", False):
+        return _cmd_paired(args)
+    if getattr(args, "shared_files", False):
+        raise StoreError("--shared-files goes with --paired (the other replays run one arm at a time)")
     if getattr(args, "resident", False):
         return _cmd_resident(args)
     if args.compare_libcachesim:
@@ -1013,6 +1053,9 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, "critical_path", False):
             raise StoreError("--critical-path needs --simulate (it is the virtual-time replay of the store)")
         return _cmd_real(args)
+    if getattr(args, "paired", False):
+        raise StoreError("--paired is the real-I/O replay's (drop --simulate): the simulation "
+                         "has no drive whose speed drifts")
     if getattr(args, "resident", False):
         raise StoreError("--resident is the real-I/O replay's (drop --simulate): the simulation "
                          "gives the fully resident case a budget that holds the trace")

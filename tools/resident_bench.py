@@ -16,67 +16,26 @@ against the first arm's on the same token.
 The engine is the demo's (``tools/demo.py``): ``acquire_many`` per batch, real numpy compute
 on the experts' own tensors inside the lease (``tools/compute.py``), ``token_boundary`` per
 decode token, ``end_turn`` where a prompt follows decode, the prompt's router rows to
-``observe_routing``.  The hand-written arm (``handwritten``) is loaded the same way.
+``observe_routing``.  The hand-written arm (``handwritten``) is loaded the same way.  The
+interleaving itself (arms, their clocks, the settling after each group) is
+``tools/paired_bench.py``'s, which runs the cold case the same way (``--paired``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from iosched import ExpertStore, StoreError, load_index
+from iosched import StoreError, load_index
 
 from . import demo, engine_replay
 from ._replay_policies import HANDWRITTEN
-from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
-from .handwritten import HandwrittenEngineStore
-from .trace import PHASE_DECODE, RouteTrace
-
-Group = list[tuple[int, int, np.ndarray]]
-"""One token's (or one prompt batch's) batches: ``(phase, layer, experts)`` each."""
-
-
-def groups_of(trace: RouteTrace, max_tokens: int | None) -> list[tuple[bool, Group]]:
-    """The trace cut into groups, in order: ``(is_decode, batches)``; a decode group is one
-    token's layers, a prompt group one batch.  Stops before decode token ``max_tokens``."""
-    out: list[tuple[bool, Group]] = []
-    token, tokens = None, 0
-    for phase, tok, layer, experts in trace.batches():
-        decode = phase == PHASE_DECODE
-        if decode and out and out[-1][0] and tok == token:
-            out[-1][1].append((phase, layer, experts))
-            continue
-        if decode:
-            if max_tokens is not None and tokens == max_tokens:
-                break
-            tokens += 1
-            token = tok
-        out.append((decode, [(phase, layer, experts)]))
-    return out
-
-
-async def _play(store: Any, trace: RouteTrace, group: Group, decode: bool, after_decode: bool,
-                compute: Compute, layer_map: dict[int, int], first_batch: int) -> None:
-    """One group on one arm, as ``demo.drive_engine`` plays a batch."""
-    if after_decode and not decode:
-        store.end_turn()
-    if decode:
-        store.token_boundary()
-    for i, (_, layer, experts) in enumerate(group):
-        ckpt_layer = layer_map[layer]
-        rows = trace.routing.get(first_batch + i)
-        if rows is not None:
-            store.observe_routing(ckpt_layer, rows)
-        keys = experts.tolist()
-        async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
-            await compute.layer(views, demo.rows_per_expert(keys, rows))
+from .compute import DEFAULT_COMPUTE_ON, NUMPY, ComputeSpec
+from .paired_bench import interleave
+from .trace import RouteTrace
 
 
 async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, policies: Sequence[str], *,
@@ -102,73 +61,32 @@ async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, p
     else:
         budget = max(1, int(cycles * td))
         engine_replay.require_holds(budget, cycles, index, ckpt, td)
-    groups = groups_of(trace, max_tokens)
-    starts, n = [], 0
-    for _, g in groups:
-        starts.append(n)
-        n += len(g)
-    engine = Compute(spec, compute_on)
-    times: dict[str, list[float]] = {name: [] for name in policies}
-    felt: dict[str, float] = {}
-    async with contextlib.AsyncExitStack() as stack:
-        arms: dict[str, Any] = {}
-        for name in policies:
-            if on_run is not None:
-                on_run(f"{name}: loading the checkpoint")
-            if name == HANDWRITTEN:
-                hand = HandwrittenEngineStore(index, budget, drop_behind=False)
-                stack.callback(hand.close)
-                arms[name] = hand
-            else:
-                arms[name] = await stack.enter_async_context(await ExpertStore.open(
-                    ckpt, budget_bytes=budget, backend=backend, policy=name, experts_per_token=trace.k))
-            await engine_replay.load_everything(arms[name], index)
-        stack.callback(engine.close)
-        if on_run is not None:
-            on_run(f"{len(groups)} groups on {len(policies)} arms")
-        tally0 = {name: arm.request_tally for name, arm in arms.items()}
-        was_decode = False
-        turn = 0
-        for gi, (decode, group) in enumerate(groups):
-            order = list(policies[turn % len(policies):]) + list(policies[:turn % len(policies)])
-            turn += 1
-            for name in order:
-                t0 = time.perf_counter()
-                await _play(arms[name], trace, group, decode, was_decode, engine, layer_map, starts[gi])
-                if decode:
-                    times[name].append(time.perf_counter() - t0)
-            was_decode = decode
-        played: dict[str, tuple[int, int]] = {}
-        for name, arm in arms.items():
-            tally = arm.request_tally
-            felt[name] = tally.felt_wait_s - tally0[name].felt_wait_s
-            played[name] = (tally.requests - tally0[name].requests, tally.hits - tally0[name].hits)
-        stats = {name: arm.stats() for name, arm in arms.items()}
-    ref = policies[0]
+    arms, stats, describe = await interleave(
+        trace, [ckpt] * len(policies), policies, budget, spec=spec, compute_on=compute_on, backend=backend,
+        max_tokens=max_tokens, layer_map=layer_map, load=True, cold=False, on_run=on_run)
+    ref = arms[0].times
     rows = []
-    for name in policies:
-        ts = times[name]
-        ratios = [a / b for a, b in zip(ts, times[ref], strict=True) if b > 0]
-        s = stats[name]
-        requests, hits = played[name]
+    for arm in arms:
+        ts, s = arm.times, stats[arm.name]
+        ratios = [a / b for a, b in zip(ts, ref, strict=True) if b > 0]
         rows.append({
-            "policy": name, "cycles": float(cycles), "budget_bytes": budget, "requests": requests,
-            "decode_hit": hits / requests if requests else 1.0,
-            "byte_hit": hits / requests if requests else 1.0,  # the demo's experts: one size
+            "policy": arm.name, "cycles": float(cycles), "budget_bytes": budget, "requests": arm.requests,
+            "decode_hit": arm.hits / arm.requests if arm.requests else 1.0,
+            "byte_hit": arm.hits / arm.requests if arm.requests else 1.0,  # the demo's experts: one size
             "tokens": len(ts),
             "tokens_per_s": len(ts) / sum(ts) if ts else 0.0,
             "token_ms_p50": 1e3 * statistics.median(ts) if ts else None,
             "paired_time_vs_first": statistics.median(ratios) if ratios else None,
             "paired_tokens_per_s_vs_first": (1.0 / statistics.median(ratios)) if ratios else None,
-            "felt_wait_per_token_ms": 1e3 * felt[name] / max(len(ts), 1),
-            "store_misses_after_load": None if name == HANDWRITTEN else s["misses"] - len(index.experts),
+            "felt_wait_per_token_ms": 1e3 * arm.felt_s / max(len(ts), 1),
+            "store_misses_after_load": None if arm.name == HANDWRITTEN else s["misses"] - len(index.experts),
             "policy_verdict": s.get("policy_verdict"),
             "backend": s["backend"],
         })
-    return {"trace": label, "mode": "resident", "reference": ref, "k": trace.k, "td_bytes": td,
+    return {"trace": label, "mode": "resident", "reference": policies[0], "k": trace.k, "td_bytes": td,
             "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on,
-            "backend": backend, "tokens": len(times[ref]), "results": rows, "resident": True,
-            **engine.describe()}
+            "backend": backend, "tokens": len(ref), "results": rows, "resident": True,
+            **describe}
 
 
 def resident_table(out: dict[str, Any]) -> Any:
