@@ -147,9 +147,12 @@ class Prefetcher:
         if self.pacer is not None:
             self.pacer.interval_done()
         end_batch, prepare = self._hooks.end_batch, self._hooks.prepare
-        if end_batch is None:
+        if end_batch is None or not self.proposing:
             return
         wanted = end_batch()
+        if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
+            self.proposing = False
+            return
         if wanted:
             self.policy_batches += 1
             self._proposed(wanted)
@@ -215,6 +218,6 @@ class Prefetcher:
     def close_last_batch(self) -> None:
         """At ``close()``: a batch that ended with the policy not yet told is told now (its
         proposals are not loaded: the store is closing)."""
-        if self._batch_end_at == self._counts.requests and self._hooks.end_batch is not None:
+        if self._batch_end_at == self._counts.requests and self._hooks.end_batch is not None and self.proposing:
             self._batch_end_at = None
             self._hooks.end_batch()

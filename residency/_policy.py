@@ -182,8 +182,10 @@ class ShapeAware(Protocol):
 class BatchAware(Protocol):
     """``Capability.BATCHES``."""
 
-    def end_batch(self) -> list[Key]:
-        """The batch just made is complete; the keys worth loading ahead, best first."""
+    def end_batch(self) -> list[Key] | None:
+        """The batch just made is complete; the keys worth loading ahead, best first.
+        ``None``: no batch-end work from now on (the store stops calling ``end_batch`` and
+        ``prepare``, which saves its scheduling on every batch)."""
 
     def prepare(self) -> None:
         """Precompute for the next batch, after ``end_batch``'s loads were issued."""
@@ -271,7 +273,7 @@ class Hooks:
     capabilities: Capability
     set_budget: Callable[[int], None] | None = None
     set_shape: Callable[[ModelShape], None] | None = None
-    end_batch: Callable[[], list[Key]] | None = None
+    end_batch: Callable[[], list[Key] | None] | None = None
     prepare: Callable[[], None] | None = None
     admit_prefetch: Callable[[Key, int, Sequence[Key]], bool] | None = None
     on_wait: Callable[[Key, float], None] | None = None

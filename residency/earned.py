@@ -316,7 +316,7 @@ class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostA
 
     # ------------------------------------------------------------------ the optional abilities
 
-    def end_batch(self) -> list[Key]:
+    def end_batch(self) -> list[Key] | None:
         if self._after is not None:
             return self._after.end_batch()
         now = self._now

@@ -3,6 +3,7 @@ displaces a fresh expert, and the default's switch to it (residency/earned.py)."
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
@@ -214,14 +215,15 @@ def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint:
 
 def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
                      wait_s: float = 0.0, extra_wait_s: float = 0.0,
-                     extra_miss: bool = False) -> list[bool]:
+                     extra_miss: bool = False, admit: bool = True) -> list[bool]:
     """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
     each layer's requests (all misses, ``wait_s`` each, plus ``extra_wait_s / L`` a layer when
     the token's arm prefetches: its reads in the demand reads' way), its batch end, then the
     engine's compute until the next layer: 2.5 ms a layer (+-0.25 ms, seeded), plus
     ``extra_s / L`` when the token's arm prefetches (what reader threads and the loop would
     take from a compute thread).  ``extra_miss``: the tokens without prefetch find their
-    second expert a layer resident (a routing that happens to miss less).  The arms."""
+    second expert a layer resident (a routing that happens to miss less).  ``admit``: the
+    proposals are admitted (free bytes); ``False``: none ever is.  The arms."""
     rng = np.random.default_rng(seed)
     clock = [0.0]
     policy.set_clock(lambda: clock[0])
@@ -236,7 +238,8 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
             policy.on_request((layer, (t + layer + 3) % 8), UNIT, second_hits)
             misses = 1 if second_hits else 2
             clock[0] += misses * wait_s + (extra_wait_s / L if arms[-1] else 0.0)
-            policy.end_batch()
+            for key in (policy.end_batch() or []) if admit else []:
+                policy.admit_prefetch(key, UNIT, ())  # into free bytes, as the store would
             clock[0] += 0.0025 + float(rng.uniform(-2.5e-4, 2.5e-4)) + (extra_s / L if arms[-1] else 0.0)
     return arms
 
@@ -267,7 +270,7 @@ def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:
     measured = float(verdict.split("took ")[1].split(" ms")[0])  # no prefetch was used here
     assert measured == pytest.approx(5.0, abs=1.0)  # the 5 ms, within the +-1 ms of jitter
     assert not any(arms[2 * MIN_TRIAL_PAIRS + 1:]) and not policy.prefetching
-    assert policy.end_batch() == []
+    assert verdict.endswith("LRU alone from here on") and policy.end_batch() is None  # retired
 
 
 def test_the_trial_turns_off_a_prefetch_that_slows_the_demand_reads() -> None:
@@ -364,3 +367,58 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
     cut.history()
     assert cut._coact is not None and cut._coact.counts is not None
     assert not cut._coact.counts.any()
+
+
+def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> None:
+    """No proposal is ever admitted (at one token cycle every victim is fresh): the trial
+    ends after its fewest pairs, off, and the policy retires to LRU's order, whatever the
+    tokens' times said; an engine's lookahead takes its bookkeeping up again."""
+    policy = coact()
+    run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=-0.005, admit=False)  # "faster", but empty
+    verdict = str(policy.cost_verdict)
+    assert verdict.startswith(f"prefetch off after {MIN_TRIAL_PAIRS} pairs"), verdict
+    assert "admitted no prefetch" in verdict and verdict.endswith("LRU alone from here on")
+    assert policy.end_batch() is None and not policy.prefetching
+    keys = [(layer, e) for layer in SHAPE.layers for e in range(3)]
+    for key in keys:
+        policy.on_insert(key, UNIT)
+    policy.on_request(keys[0], UNIT, True)  # a hit moves to the newest end, as in LRU
+    assert list(policy.victims()) == [*keys[1:], keys[0]]
+    policy.on_remove(keys[1])
+    policy.check(set[Hashable](keys) - {keys[1]})
+    visits = list(policy._visits)
+    policy.on_request(keys[2], UNIT, True)
+    assert policy._visits == visits  # retired: no batch bookkeeping
+    policy.on_expect(SHAPE.layers[1], np.full(SHAPE.n_expert, 0.5))
+    policy.on_request(keys[3], UNIT, True)  # the next layer's batch: counted again
+    assert policy._visits[1] == visits[1] + 1 and policy.end_batch() is not None
+
+
+def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:
+    """In the store: a budget of one expert a layer leaves ``default`` nothing to prefetch, its
+    trial ends so, and the store stops scheduling its batch-end work (``end_batch`` answered
+    ``None``); every hit and miss is still served, with the checkpoint's bytes."""
+    import asyncio
+
+    from iosched import ExpertStore
+    from tests.test_store import expected_bytes
+
+    async def main() -> tuple[dict[str, object], bool]:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30) as probe:
+            one = max(layout.nbytes for layout in probe.index.experts.values())
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 2 * one, policy="default",
+                                          experts_per_token=2) as store:
+            for t in range(4 * MIN_TRIAL_PAIRS + 4):
+                store.token_boundary()
+                for layer in range(LAYERS):
+                    keys = [(layer, (t + layer) % EXPERTS), (layer, (3 * t + layer + 1) % EXPERTS)]
+                    async with store.acquire_many(keys) as views:
+                        await asyncio.sleep(0)
+                        for key, view in zip(keys, views, strict=True):
+                            assert view.data.tobytes() == expected_bytes(store.index, key)
+            store.check_invariants()
+            return store.stats(), store._prefetcher.proposing
+
+    stats, proposing = asyncio.run(main())
+    assert "admitted no prefetch" in str(stats["policy_verdict"]), stats["policy_verdict"]
+    assert proposing is False and stats["prefetch_issued"] == 0

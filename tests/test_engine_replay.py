@@ -193,7 +193,7 @@ def test_paired_plays_every_arm_cold_token_by_token(
         out = run_json(capsys, ["gemma", "--paired", "--cycles", "1,4", "--policy", "lru,default,handwritten",
                                 "--tokens", "3", "--compute", "sleep:0", "--json"])
     assert out["mode"] == "paired" and out["reference"] == "lru" and out["tokens"] == 3 and out["cold"]
-    assert [Path(c).name for c in out["copies"]] == [Path(out["checkpoint"]).name + f".copy{i}" for i in (1, 2, 3)]
+    assert out["copies"] == [out["checkpoint"]] * 3  # one checkpoint for all, by default
     assert [(r["policy"], r["cycles"]) for r in out["results"]] == [
         (p, c) for c in (1.0, 4.0) for p in ("lru", "default", "handwritten")]
     for row in out["results"]:
@@ -201,6 +201,7 @@ def test_paired_plays_every_arm_cold_token_by_token(
         assert row["budget_bytes"] == int(row["cycles"] * out["td_bytes"])
         assert row["decode_requests"] == 3 * 30 * out["k"] and 0.0 <= row["decode_hit"] <= 1.0
         assert row["paired_q1"] <= row["paired_tokens_per_s_vs_first"] <= row["paired_q3"]
+        assert len(row["token_ms"]) == 3 and min(row["token_ms"]) > 0
     by = {(r["policy"], r["cycles"]): r for r in out["results"]}
     for c in (1.0, 4.0):
         assert by[("lru", c)]["paired_tokens_per_s_vs_first"] == 1.0
@@ -216,6 +217,8 @@ def test_paired_refuses_what_it_cannot_run(tmp_path: Path, capsys: pytest.Captur
     assert "--resident does not combine with --paired" in out["error"]
     out = run_json(capsys, ["gemma", "--paired", "--policy", "lru,belady", "--json"], status=2)
     assert "belady" in out["error"]
+    out = run_json(capsys, ["gemma", "--copies", "--policy", "lru", "--json"], status=2)
+    assert "--copies goes with --paired" in out["error"]
 
 
 def test_arm_clock_runs_only_while_its_arm_plays() -> None:

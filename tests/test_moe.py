@@ -56,7 +56,7 @@ def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool =
                         on_wait(key, wait_s)
             end_batch = table.hooks.end_batch
             if end_batch is not None:
-                for want in end_batch():
+                for want in end_batch() or ():
                     if prefetch and table.get(want) is None:
                         entry = table.reserve(want, UNIT, speculative=True)
                         if entry is not None:

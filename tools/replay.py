@@ -423,7 +423,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
             if end_batch is not None and reqs.batch_end[i]:
                 wanted: list[tuple[Key, int]] = []
                 planned = token_prefetch
-                for want in end_batch():
+                for want in end_batch() or ():  # None: no batch-end work (the policy retired)
                     size = reqs.key_bytes[want]  # type: ignore[index]
                     if get(want) is not None:
                         continue
@@ -824,10 +824,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "each arm in turn (order rotated, each arm settled after its token), so the "
                         "arms share the drive's speed of the moment; reports tokens/s and the paired "
                         "ratio against the first --policy, per --cycles value (tools/paired_bench.py)")
-    p.add_argument("--shared-files", action="store_true",
-                   help="real I/O, with --paired: every arm reads the one checkpoint (by default each "
-                        "arm reads its own copy, made once beside it, so that a drive behind a "
-                        "caching host does not serve one arm what another read)")
+    p.add_argument("--copies", action="store_true",
+                   help="real I/O, with --paired: each arm reads its own copy of the checkpoint (made "
+                        "once beside it), for a drive whose host caches it; by default every arm "
+                        "reads the one checkpoint (tools/paired_bench.py says why)")
     p.add_argument("--warm", action="store_true",
                    help="real I/O: do not drop the checkpoint from the page cache before each run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -926,7 +926,7 @@ def _cmd_paired(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = _runner.run(lambda: paired_bench.replay_paired(
             trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
-            copies=not args.shared_files, on_run=on_run))
+            copies=args.copies, on_run=on_run))
     if not args.json:
         _print_table(paired_bench.paired_table(out))
     return out
@@ -937,8 +937,8 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
 
     if getattr(args, "paired", False):
         return _cmd_paired(args)
-    if getattr(args, "shared_files", False):
-        raise StoreError("--shared-files goes with --paired (the other replays run one arm at a time)")
+    if getattr(args, "copies", False):
+        raise StoreError("--copies goes with --paired (the other replays run one arm at a time)")
     if getattr(args, "resident", False):
         return _cmd_resident(args)
     if args.compare_libcachesim:
