@@ -245,14 +245,20 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
 
 
 def test_the_trial_alternates_tokens_abba_and_ends_after_its_pairs() -> None:
-    """A prefetch that neither costs nor saves: no clear answer, so the median pair decides
-    after all the pairs (either way), and from then on the arm is constant."""
-    policy = coact()
-    arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.0)
-    assert arms[:8] == [True, False, False, True, True, False, False, True]
-    assert len(set(arms[2 * TRIAL_PAIRS + 1:])) == 1  # decided
-    assert str(policy.cost_verdict).startswith("prefetch o")
-    assert f"after {TRIAL_PAIRS} pairs" in str(policy.cost_verdict)
+    """A prefetch that neither costs nor saves: never kept early.  The burden of proof is on
+    the prefetch, so noise may turn it off early (``OFF_SE``: about 1 look in 6); otherwise
+    the median pair decides after all the pairs (either way); from then on the arm is
+    constant."""
+    full = 0
+    for seed in range(6):
+        policy = coact()
+        arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=0.0, seed=seed)
+        assert arms[:6] == [True, False, False, True, True, False]
+        assert len(set(arms[2 * TRIAL_PAIRS + 1:])) == 1  # decided
+        verdict = str(policy.cost_verdict)
+        assert f"after {TRIAL_PAIRS} pairs" in verdict or verdict.startswith("prefetch off"), verdict
+        full += f"after {TRIAL_PAIRS} pairs" in verdict
+    assert full >= 4  # seeds 0, 1, 2, 4 here: most go the whole trial
 
 
 def test_the_trial_keeps_a_prefetch_whose_tokens_are_faster() -> None:
@@ -286,11 +292,15 @@ def test_the_trial_turns_off_a_prefetch_that_slows_the_demand_reads() -> None:
 def test_the_trial_prices_out_a_routing_that_misses_more_on_the_tokens_with_prefetch() -> None:
     """The tokens that prefetch happen to miss one expert more a layer (the others find it
     resident), each miss costing what the others do: they take longer, but their routing
-    explains all of it, so there is no clear answer and the median pair decides after all the
-    pairs."""
-    policy = coact()
-    run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=0.0, wait_s=5e-3, extra_miss=True)
-    assert f"after {TRIAL_PAIRS} pairs" in str(policy.cost_verdict), policy.cost_verdict
+    explains all of it, so there is no clear answer: the prefetch is never kept early, and
+    turned off early no more often than a prefetch that changes nothing."""
+    for seed in range(6):
+        policy = coact()
+        run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=0.0, wait_s=5e-3, extra_miss=True, seed=seed)
+        verdict = str(policy.cost_verdict)
+        if seed in (0, 1, 2, 4):  # as the tokens without the extra misses (above)
+            assert f"after {TRIAL_PAIRS} pairs" in verdict, verdict
+        assert f"after {TRIAL_PAIRS} pairs" in verdict or verdict.startswith("prefetch off"), verdict
 
 
 def test_without_a_clock_there_is_no_trial() -> None:
