@@ -262,3 +262,16 @@ def test_arm_copies_are_made_once_and_never_touch_the_original(tmp_path: Path) -
     assert arm_copies(ckpt, 2)[1] == two and (two / "a.safetensors").read_bytes() == b"x" * 5000
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in ckpt.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.copy1", "ckpt.copy2"]
+
+
+def test_play_orders_let_each_arm_follow_each_other_equally() -> None:
+    from collections import Counter
+
+    from iosched.tools.paired_bench import play_orders
+
+    for n in (2, 3, 4):
+        orders = play_orders(n)
+        assert len(orders) == len(set(orders)) and all(sorted(o) == list(range(n)) for o in orders)
+        follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+        assert len(set(follows.values())) == 1 and len(follows) == n * (n - 1), (n, follows)
+    assert sorted(play_orders(6)) == sorted(tuple((r + i) % 6 for i in range(6)) for r in range(6))

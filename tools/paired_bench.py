@@ -6,8 +6,9 @@ ratios of 0.76-3.41x for one pair of policies, and the arm's place in the round 
 median by about 4 % (docs/benchmarks.md, 2026-12-02).  Here every arm is open at once, each
 on its own store (empty: a cold start, with the checkpoint dropped from the page cache once
 before), and the trace is played *group by group* (a decode token, all its layers, or one
-prompt batch), each group on every arm in turn with the arms' order rotated, as
-``--resident`` does (``tools/resident_bench.py``).  Neighbouring tokens of different arms then
+prompt batch), each group on every arm in turn, the arms' order changing from group to group
+through every permutation (:func:`play_orders`), as ``--resident`` does
+(``tools/resident_bench.py``).  Neighbouring tokens of different arms then
 share the drive's speed of that moment, and the paired ratio (the median over tokens of the
 reference arm's token time over this arm's) cancels the drift.
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import statistics
@@ -129,6 +131,16 @@ def arm_copies(ckpt: Path, n: int) -> list[Path]:
     return out
 
 
+def play_orders(n: int) -> list[tuple[int, ...]]:
+    """The arms' orders, one per group in turn: every permutation of ``n`` arms (up to 4), else
+    the ``n`` rotations.  Rotations alone let each arm always follow the same arm twice in
+    three groups, and an arm's reads help the next one's on a drive whose host caches them
+    (module docstring); all permutations have each arm follow each other equally often."""
+    if n <= 4:
+        return list(itertools.permutations(range(n)))
+    return [tuple((r + i) % n for i in range(n)) for r in range(n)]
+
+
 class ArmClock:
     """A clock that runs only while its arm plays: ``time.perf_counter`` less the time the arm
     spent paused.  Invariant: it never goes backwards (paused, it stands still)."""
@@ -182,7 +194,7 @@ async def interleave(trace: RouteTrace, folders: Sequence[Path], policies: Seque
                      layer_map: dict[int, int], load: bool, cold: bool,
                      on_run: Callable[[str], None] | None = None) -> Interleaved:
     """Every arm of ``policies`` at ``budget``, arm ``i`` on the checkpoint in ``folders[i]``,
-    the trace's groups played on each in turn, the arms' order rotated per group.  ``load``:
+    the trace's groups played on each in turn, the arms' order changing per group (:func:`play_orders`).  ``load``:
     each arm first loads the whole checkpoint (the fully resident case); ``cold``: the
     checkpoints leave the page cache before the arms open.  Returns the arms, each one's final
     ``stats()``, and the compute's description."""
@@ -219,10 +231,10 @@ async def interleave(trace: RouteTrace, folders: Sequence[Path], policies: Seque
                     await engine_replay.load_everything(arm.store, index)
         if on_run is not None:
             on_run(f"{len(groups)} groups on {len(arms)} arms")
+        orders = play_orders(len(arms))
         was_decode = False
         for gi, (decode, group) in enumerate(groups):
-            r = gi % len(arms)
-            for arm in arms[r:] + arms[:r]:
+            for arm in (arms[i] for i in orders[gi % len(orders)]):
                 with arm.playing():
                     before = arm.store.request_tally
                     t0 = time.perf_counter()

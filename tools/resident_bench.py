@@ -7,7 +7,7 @@ version of ``--resident`` ran the arms one after the other: the ratios of one ce
 over 0.67-1.23x on the 2-core VM, docs/benchmarks.md).  So here every arm is open at once,
 each with the whole checkpoint loaded (:func:`engine_replay.load_everything`), and the
 trace is played *group by group*, a group being one decode token (all its layers) or one
-prompt batch: each group runs on every arm in turn, the arms' order rotated from one group to
+prompt batch: each group runs on every arm in turn, the arms' order changing from one group to
 the next, so neighbouring tokens of different arms share the machine's speed of that moment.
 Decode tokens are timed, each on its own (from its first ``acquire_many`` to the end of its
 last layer's compute); the paired ratio of an arm is the median over tokens of its token time
