@@ -453,7 +453,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         this policy is LRU's order.  Its learning, batch bookkeeping and stale-eviction memory
         stop, and ``end_batch`` answers ``None``, so the store stops the batch-end work too
         (measured at one token cycle, where it never prefetches: the paired real runs had
-        ``default`` at 0.975-0.987x ``lru`` with identical hits, 2026-12-02; the critical path
+        ``default`` at 0.975-0.988x ``lru`` with identical hits in 8 of 8, 2026-12-02; the critical path
         charged it 7-8 ms of CPU a token more than ``lru``)."""
         self._retired = True
         self._picked, self._tail, self._rows = [], None, None
