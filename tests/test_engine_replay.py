@@ -13,6 +13,7 @@ What is checked, and why:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -272,6 +273,6 @@ def test_play_orders_let_each_arm_follow_each_other_equally() -> None:
     for n in (2, 3, 4):
         orders = play_orders(n)
         assert len(orders) == len(set(orders)) and all(sorted(o) == list(range(n)) for o in orders)
-        follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+        follows = Counter((a, b) for o in orders for a, b in itertools.pairwise(o))
         assert len(set(follows.values())) == 1 and len(follows) == n * (n - 1), (n, follows)
     assert sorted(play_orders(6)) == sorted(tuple((r + i) % 6 for i in range(6)) for r in range(6))
