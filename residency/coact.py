@@ -452,9 +452,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """The prefetch is off for good and the engine passes no lookahead: what is left of
         this policy is LRU's order.  Its learning, batch bookkeeping and stale-eviction memory
         stop, and ``end_batch`` answers ``None``, so the store stops the batch-end work too
-        (measured at one token cycle, where it never prefetches: the paired real runs had
-        ``default`` at 0.975-0.988x ``lru`` with identical hits in 8 of 8, 2026-12-02; the critical path
-        charged it 7-8 ms of CPU a token more than ``lru``)."""
+        (measured at one token cycle, where it never prefetches: the critical path charged it
+        7-8 ms of CPU a token more than ``lru`` with the same hits, and paired real runs had it
+        at 0.975-0.988x ``lru`` in 8 of 8, each arm on its own copy of the checkpoint,
+        2026-12-02; after: 0.978-1.017x and 0.983-1.043x, docs/residency.md)."""
         self._retired = True
         self._picked, self._tail, self._rows = [], None, None
         self._batch, self._batch_pos = [], -1
