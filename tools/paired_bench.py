@@ -27,7 +27,7 @@ What keeps the arms apart:
   file on a host that caches it: a 1 MiB O_DIRECT read of a region not read for hours ran at
   120 MiB/s, the same read again at 870 MiB/s (depth 1, 200 reads, 2026-12-02).  Arms sharing
   the files read part of each other's misses from the host's memory, which shrinks the
-  differences between their read paths (not in anyone's favour: the order rotates).  With
+  differences between their read paths (not in anyone's favour: the order changes).  With
   ``copies`` each arm reads its own copy (:func:`arm_copies`), but the copies are not alike
   either: three made together read at 160, 125 and 285 MiB/s an hour later (400 random
   576 KiB reads, interleaved, 2026-12-02), the host keeping more of the last one, and that
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from iosched import ExpertStore, StoreError, clock, load_index
+from iosched import CheckpointIndex, ExpertStore, StoreError, clock, load_index
 from iosched.backends import resolve
 
 from . import demo, engine_replay
@@ -189,22 +189,22 @@ Interleaved = tuple[list["Arm"], dict[str, dict[str, Any]], dict[str, Any]]
 description."""
 
 
-async def interleave(trace: RouteTrace, folders: Sequence[Path], policies: Sequence[str], budget: int, *,
-                     spec: ComputeSpec, compute_on: str, backend: str, max_tokens: int | None,
-                     layer_map: dict[int, int], load: bool, cold: bool,
-                     on_run: Callable[[str], None] | None = None) -> Interleaved:
-    """Every arm of ``policies`` at ``budget``, arm ``i`` on the checkpoint in ``folders[i]``,
-    the trace's groups played on each in turn, the arms' order changing per group (:func:`play_orders`).  ``load``:
-    each arm first loads the whole checkpoint (the fully resident case); ``cold``: the
-    checkpoints leave the page cache before the arms open.  Returns the arms, each one's final
+async def interleave(trace: RouteTrace, checkpoints: Sequence[tuple[Path, CheckpointIndex]],
+                     policies: Sequence[str], budget: int, *, spec: ComputeSpec, compute_on: str,
+                     backend: str, max_tokens: int | None, layer_map: dict[int, int], load: bool,
+                     cold: bool, on_run: Callable[[str], None] | None = None) -> Interleaved:
+    """Every arm of ``policies`` at ``budget``, arm ``i`` on the checkpoint ``checkpoints[i]``
+    (its folder and its index, loaded once by the caller), the trace's groups played on each
+    in turn, the arms' order changing per group (:func:`play_orders`).  ``load``: each arm
+    first loads the whole checkpoint (the fully resident case); ``cold``: the checkpoints
+    leave the page cache before the arms open.  Returns the arms, each one's final
     ``stats()``, and the compute's description."""
-    if len(folders) != len(policies):
-        raise StoreError(f"{len(policies)} arms need as many checkpoint folders, got {len(folders)}")
-    indexes = {folder: await asyncio.to_thread(load_index, folder) for folder in dict.fromkeys(folders)}
+    if len(checkpoints) != len(policies):
+        raise StoreError(f"{len(policies)} arms need as many checkpoints, got {len(checkpoints)}")
     if cold:
-        for index in indexes.values():
+        for _, index in dict(checkpoints).items():
             await asyncio.to_thread(demo.drop_from_page_cache, index.files)
-    direct = resolve(backend, indexes[folders[0]].files)[0] in ("odirect", "uring")
+    direct = resolve(backend, checkpoints[0][1].files)[0] in ("odirect", "uring")
     groups = groups_of(trace, max_tokens)
     starts, n = [], 0
     for _, g in groups:
@@ -214,10 +214,9 @@ async def interleave(trace: RouteTrace, folders: Sequence[Path], policies: Seque
     arms = [Arm(name) for name in policies]
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(engine.close)
-        for arm, folder in zip(arms, folders, strict=True):
+        for arm, (folder, index) in zip(arms, checkpoints, strict=True):
             if on_run is not None:
                 on_run(f"{arm.name}: {'loading the checkpoint' if load else 'opening'}")
-            index = indexes[folder]
             with arm.playing():
                 if arm.name == HANDWRITTEN:
                     hand = HandwrittenEngineStore(index, budget, drop_behind=direct and not load)
@@ -306,24 +305,25 @@ async def replay_paired(trace: RouteTrace, label: str, cycles: Sequence[float], 
     ckpt = await asyncio.to_thread(demo.demo_checkpoint, trace, folder, scale)
     index = await asyncio.to_thread(load_index, ckpt)
     layer_map, _, td = engine_replay.map_layers(trace, label, ckpt, index)
-    folders = [ckpt] * len(policies)
+    checkpoints = [(ckpt, index)] * len(policies)
     if copies:  # every arm on a copy, the copies made together: the same state on the host
         if on_run is not None:
             on_run(f"{len(policies)} copies of the checkpoint (once)")
-        folders = await asyncio.to_thread(arm_copies, ckpt, len(policies))
+        checkpoints = [(f, await asyncio.to_thread(load_index, f))
+                       for f in await asyncio.to_thread(arm_copies, ckpt, len(policies))]
     rows: list[dict[str, Any]] = []
     describe: dict[str, Any] = {}
     for c in cycles:
         budget = max(1, int(c * td))
         if on_run is not None:
             on_run(f"{c:g} token cycles")
-        arms, stats, describe = await interleave(trace, folders, policies, budget, spec=spec, compute_on=compute_on,
-                                          backend=backend, max_tokens=max_tokens, layer_map=layer_map,
-                                          load=False, cold=cold, on_run=on_run)
+        arms, stats, describe = await interleave(
+            trace, checkpoints, policies, budget, spec=spec, compute_on=compute_on, backend=backend,
+            max_tokens=max_tokens, layer_map=layer_map, load=False, cold=cold, on_run=on_run)
         rows.extend(paired_rows(arms, stats, c, budget))
     return {"trace": label, "mode": "paired", "reference": policies[0], "k": trace.k, "td_bytes": td,
             "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on,
-            "backend": backend, "cold": cold, "paired": True, "copies": [str(f) for f in folders],
+            "backend": backend, "cold": cold, "paired": True, "copies": [str(f) for f, _ in checkpoints],
             "tokens": rows[0]["tokens"] if rows else 0, "results": rows, **describe}
 
 

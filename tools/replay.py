@@ -821,7 +821,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "(tools/resident_bench.py)")
     p.add_argument("--paired", action="store_true",
                    help="real I/O: cold runs of every arm at once, the trace played token by token on "
-                        "each arm in turn (order rotated, each arm settled after its token), so the "
+                        "each arm in turn (the order through every permutation, each arm settled "
+                        "after its token), so the "
                         "arms share the drive's speed of the moment; reports tokens/s and the paired "
                         "ratio against the first --policy, per --cycles value (tools/paired_bench.py)")
     p.add_argument("--copies", action="store_true",
@@ -877,16 +878,24 @@ def _print_note(text: str) -> None:
     Console().print(Text(text, style="dim"))
 
 
-def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
-    from . import _runner, resident_bench
-
-    for flag, given in (("--auto-budget", getattr(args, "auto_budget", False)),
+def _refuse_interleaved(args: argparse.Namespace, mode: str, *more: tuple[str, bool]) -> None:
+    """The flags the interleaved real-I/O replays (``--resident``, ``--paired``) cannot run
+    with, after ``more`` of the mode's own (``(flag, given)``): a StoreError naming the first
+    one given."""
+    for flag, given in (*more,
+                        ("--auto-budget", getattr(args, "auto_budget", False)),
                         ("--throttle-mbps", getattr(args, "throttle_mbps", None) is not None),
                         ("--lookahead-recall", getattr(args, "lookahead_recall", None) is not None),
                         ("--compute-ms", args.compute_ms is not None),
                         ("--compare-libcachesim", args.compare_libcachesim)):
         if given:
-            raise StoreError(f"{flag} does not combine with --resident (nothing is read there)")
+            raise StoreError(f"{flag} does not combine with {mode}")
+
+
+def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
+    from . import _runner, resident_bench
+
+    _refuse_interleaved(args, "--resident (nothing is read there)")
     cycles: float | None = None
     if args.cycles != DEFAULT_CYCLES:
         values = parse_cycles(args.cycles)
@@ -908,15 +917,8 @@ def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_paired(args: argparse.Namespace) -> dict[str, Any]:
     from . import _runner, paired_bench
 
-    for flag, given in (("--auto-budget", getattr(args, "auto_budget", False)),
-                        ("--resident", getattr(args, "resident", False)),
-                        ("--throttle-mbps", getattr(args, "throttle_mbps", None) is not None),
-                        ("--lookahead-recall", getattr(args, "lookahead_recall", None) is not None),
-                        ("--compute-ms", args.compute_ms is not None),
-                        ("--keys-only", getattr(args, "keys_only", False)),
-                        ("--compare-libcachesim", args.compare_libcachesim)):
-        if given:
-            raise StoreError(f"{flag} does not combine with --paired")
+    _refuse_interleaved(args, "--paired", ("--resident", getattr(args, "resident", False)),
+                        ("--keys-only", getattr(args, "keys_only", False)))
     cycles = parse_cycles(args.cycles)
     policies = parse_policies(args.policy, getattr(args, "experimental", False), real=True)
     trace = load_trace(args.trace, args.expert_bytes)
