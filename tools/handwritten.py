@@ -6,11 +6,18 @@ themselves.  :class:`HandwrittenLRU` is those lines: an ``OrderedDict`` LRU of e
 bytes under the same ``budget_bytes``, filled by a ``ThreadPoolExecutor`` of 8 threads running
 ``os.pread`` over the expert's extents (from :func:`iosched.load_index`, the same index the store
 reads), views built over the bytes with :meth:`iosched.ExpertView.over` (the same typed tensors
-the store hands out, so the compute is the same).  ``drop_behind``: drop each read's range from
-the page cache once read (``posix_fadvise(DONTNEED)``), so the arm gets no more memory than its
-budget where the store reads with ``O_DIRECT``; with the store on buffered ``pread`` both keep
-the page cache.  Eight threads: the hand-written engine issue #15 measured against (a common
-size for a pread pool).
+the store hands out, so the compute is the same).  ``drop_behind``: the arm gets no more memory
+than its budget where the store reads with ``O_DIRECT`` (with the store on buffered ``pread``
+both keep the page cache).  So it starts with the files dropped from the page cache, reads with
+readahead off (``POSIX_FADV_RANDOM``) and drops each read's whole pages once read
+(``POSIX_FADV_DONTNEED``).  Each of the three is needed: the kernel's readahead (8 MiB on this
+VM's disk) brings pages past the range, which a drop of the range leaves cached, and ``DONTNEED``
+keeps a range's partial end pages.  Without them a qwen run at 162 MiB of budget (576 KiB
+experts, 48 tokens) left 510 MiB of the checkpoint cached, served to later misses as page-cache
+hits outside the budget; with them, none (2026-12-02, ``tests/test_compute.py``).  Readahead
+off costs the arm nothing it is allowed: a read is the expert's range, and whatever readahead
+adds past it would be dropped unread.  Eight threads: the hand-written engine issue #15
+measured against (a common size for a pread pool).
 
 :class:`HandwrittenEngineStore` adds what the shared engine loop (``tools/demo.py``
 ``drive_engine``) calls, so the arm runs the very loop and compute the iosched arms run.
@@ -19,6 +26,7 @@ size for a pread pool).
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import time
 from collections import OrderedDict
@@ -30,6 +38,7 @@ from typing import Any
 from iosched import CheckpointIndex, ExpertKey, ExpertView, RequestTally
 
 THREADS = 8
+PAGE = mmap.PAGESIZE
 
 
 class HandwrittenLRU:
@@ -43,14 +52,19 @@ class HandwrittenLRU:
         self.wait_s = 0.0
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pread")
         self.fds = [os.open(path, os.O_RDONLY) for path in index.files]
+        if drop_behind:  # nothing cached to start with (the index's header reads), no readahead
+            for fd in self.fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def _read(self, key: ExpertKey) -> ExpertView:
         layout = self.index.experts[key]
         parts = []
         for e in layout.extents:
             parts.append(os.pread(self.fds[e.file], e.length, e.offset))
-            if self.drop_behind:
-                os.posix_fadvise(self.fds[e.file], e.offset, e.length, os.POSIX_FADV_DONTNEED)
+            if self.drop_behind:  # whole pages: DONTNEED keeps a range's partial end pages
+                start, end = e.offset // PAGE * PAGE, -(-(e.offset + e.length) // PAGE) * PAGE
+                os.posix_fadvise(self.fds[e.file], start, end - start, os.POSIX_FADV_DONTNEED)
         return ExpertView.over(layout, memoryview(b"".join(parts)))
 
     async def get_many(self, keys: list[ExpertKey]) -> list[ExpertView]:
