@@ -47,6 +47,7 @@ from .synth import write_safetensors_moe
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {
     # name: (hidden, intermediate, layers, experts per layer); bf16 gate, up, down: 6 bytes per hidden x inter
+    "36K": (128, 48, 8, 128),       # 36 KiB x 1024 = 36 MiB: the demo's experts (--scale 16)
     "2.5M": (1024, 427, 3, 128),    # 2.50 MiB x 384 = 961 MiB
     "9M": (2048, 768, 2, 64),       # 9.00 MiB x 128 = 1.13 GiB
 }
@@ -54,6 +55,8 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 a group reads 8: with 10 or 40 per layer (a first version), a group read most of its layer and
 the page cache's readahead past each expert was mostly bytes the group wanted next, which a
 real model's 6 % of a layer does not give it."""
+DEFAULT_SIZES = ("2.5M", "9M")
+"""A real Q4 expert and a real bf16 one; ``36K`` (the demo's experts) on request."""
 GROUP = 8
 """k: the experts one MoE layer routes a token to (Qwen3-30B-A3B and Mixtral's 8)."""
 THREADS = 8
@@ -219,7 +222,8 @@ async def run(sizes: Sequence[str], arms: Sequence[str], rounds: int, passes: in
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench-readpath",
                        help="cold misses of k=8 experts: iosched's backends against 8 threads of pread")
-    p.add_argument("--sizes", default=",".join(SHAPES), help=f"expert sizes, of {', '.join(SHAPES)} (default all)")
+    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
+                   help=f"expert sizes, of {', '.join(SHAPES)} (default {','.join(DEFAULT_SIZES)})")
     p.add_argument("--backends", default="pread,odirect,mmap,uring,auto",
                    help="iosched backends to compare (default: all four and auto)")
     p.add_argument("--rounds", type=_command.positive_int, default=5, help="interleaved rounds (default 5)")
