@@ -25,14 +25,12 @@ experts of several extents) are probed as ``pread`` probes them.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import mmap
 import os
 import resource
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,7 +38,7 @@ import numpy as np
 from iosched._errors import InvariantError, ReadError
 
 from ._base import Caps
-from ._util import run_to_completion
+from ._workers import Workers
 from .pread import PageCacheProbe, open_all
 
 PAGE = mmap.PAGESIZE
@@ -75,7 +73,7 @@ class MmapBackend:
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
         self._fds: list[int] = []
         self._paths: list[str] = []
         self._maps: list[mmap.mmap | None] = []
@@ -103,7 +101,7 @@ class MmapBackend:
                 raise ReadError(f"{path}: cannot map: {exc.strerror or exc}") from exc
             self._maps.append(mm)
             self._bases.append(int(np.frombuffer(mm, dtype=np.uint8).ctypes.data))
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="iosched-mmap")
+        self._pool = Workers(self._threads, "iosched-mmap")
 
     def alignment(self, file: int) -> int:
         return 1
@@ -112,10 +110,7 @@ class MmapBackend:
         """A copy out of the file (for experts made of several extents, which need one buffer)."""
         if self._pool is None:
             raise InvariantError("backend used before open()")
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._probe.read, self._fds[file], file, offset, length, buf
-        )
-        return await run_to_completion(fut)
+        return await self._pool.run(self._probe.read, self._fds[file], file, offset, length, buf)
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
@@ -123,8 +118,7 @@ class MmapBackend:
     async def map_tiered(self, file: int, offset: int, length: int) -> tuple[memoryview, bool]:
         if self._pool is None:
             raise InvariantError("backend used before open()")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._pretouch_counted, file, offset, length)
-        cached = await run_to_completion(fut)
+        cached = await self._pool.run(self._pretouch_counted, file, offset, length)
         mm = self._maps[file]
         if mm is None:
             raise InvariantError(f"file {file} is not mapped")
@@ -199,7 +193,7 @@ class MmapBackend:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
             self._pool = None
         for mm in self._maps:
             if mm is not None:

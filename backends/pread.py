@@ -18,18 +18,16 @@ runs, it gates the try: a range with a page not cached is read plainly and is a 
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from iosched._errors import InvariantError, ReadError
 
 from ._base import Caps
 from ._cachestat import CacheStat
-from ._util import run_to_completion
+from ._workers import Workers
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 
@@ -125,7 +123,7 @@ class PreadBackend:
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
         self._fds: list[int] = []
         self._paths: list[str] = []
         self._probe = PageCacheProbe()
@@ -134,7 +132,7 @@ class PreadBackend:
         self._fds = open_all(paths, 0)
         self._paths = list(paths)
         self._probe.open(paths)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"iosched-{self.name}")
+        self._pool = Workers(self._threads, f"iosched-{self.name}")
 
     def alignment(self, file: int) -> int:
         return 1
@@ -145,10 +143,7 @@ class PreadBackend:
     async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
         if self._pool is None:
             raise InvariantError("backend used before open()")
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._read_sync, file, offset, length, buf
-        )
-        return await run_to_completion(fut)
+        return await self._pool.run(self._read_sync, file, offset, length, buf)
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
@@ -158,7 +153,7 @@ class PreadBackend:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
             self._pool = None
         for fd in self._fds:
             os.close(fd)

@@ -9,6 +9,9 @@
    the :class:`~iosched._room.Room` until a lease or a load ends.  Then start the load, and
    join it like any other waiter.
 
+A group's misses (``acquire_many``) take the same three paths in :meth:`Acquirer.wait_for_group`,
+one coroutine for all of them, unless the policy weighs each acquire's own wait.
+
 Each acquire of a known key is counted once, by what it found when it asked (``hits``,
 ``misses``, ``joins``).  The felt wait is the union of the intervals during which some
 acquire was waiting: six experts awaited together for 2 ms cost the engine 2 ms, not 12.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import numpy as np
 
@@ -25,7 +29,7 @@ from iosched.residency import Entry, EntryState, ResidencyTable
 
 from . import _clock
 from ._autogrow import AutoGrow
-from ._errors import UnknownExpertError
+from ._errors import StoreClosed, StoreError, UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
 from ._loads import Loader
 from ._prefetch import Prefetcher, PrefetchLedger
@@ -174,6 +178,110 @@ class Acquirer:
             if entry is not None:
                 self._loader.settle(entry)
             raise
+
+    @property
+    def groups_fast(self) -> bool:
+        """Whether :meth:`wait_for_group` may serve a group's misses: not when the policy
+        weighs each acquire's own wait (``on_wait``) or the budget grows by them, which need
+        each acquire's own end time (:meth:`wait_for` in a task of its own gives it)."""
+        return self._on_wait is None and self._growth is None
+
+    async def wait_for_group(self, layouts: list[ExpertLayout]) -> list[Entry | BaseException]:
+        """:meth:`wait_for` of each of ``layouts`` (a group's acquires that :meth:`try_hit`
+        found not resident), awaited together in this one coroutine: per acquire, its count,
+        the policy's ``on_request``, its reservation and load (or the load it joins) are done
+        here in the caller's step, and only an acquire that finds no room now waits in a task
+        of its own (:meth:`_lease_when_loaded`, the Room's line).
+
+        Why: a task per acquire, each awaiting its load through ``asyncio.shield``, was about
+        15 µs of a 36 KiB miss's CPU on the 2-core VM, where the whole hand-written miss costs
+        80 (docs/benchmarks.md, "Read path against 8 pread threads").
+
+        Returns, in order, each acquire's leased entry or its error (the caller releases the
+        leases if any failed).  Cancelled, it releases what it leased, unpins what it pinned,
+        cancels the tasks it started and re-raises; the loads go on for whoever else waits.
+        The group counts as one waiter for the felt wait (a union of intervals anyway)."""
+        self._owner()
+        self._lifecycle.check_open()
+        if self._waiting == 0:
+            self._wait_since = _clock.now()
+        self._waiting += 1
+        table, loader, counts, on_request = self._table, self._loader, self.counts, self._on_request
+        out: list[Entry | BaseException | None] = [None] * len(layouts)
+        joined: dict[int, tuple[Entry, asyncio.Future[None]]] = {}  # pinned, with their loads' futures
+        waits: list[asyncio.Future[object]] = []
+        parked: dict[int, asyncio.Task[Entry]] = {}
+        try:
+            for i, layout in enumerate(layouts):
+                key = layout.key
+                entry = table.get(key)
+                counts.requests += 1
+                on_request(key, layout.nbytes, entry is not None)
+                if entry is None:
+                    counts.misses += 1
+                    try:
+                        entry = table.reserve(key, layout.nbytes)
+                    except StoreError as exc:  # larger than the budget: this acquire fails
+                        out[i] = exc
+                        continue
+                    if entry is None:  # no room now: the Room's line, in a task of its own
+                        task = asyncio.ensure_future(self._lease_when_loaded(layout))
+                        parked[i] = task
+                        waits.append(cast("asyncio.Future[object]", task))
+                        continue
+                    loader.start(entry, layout)
+                else:
+                    counts.joins += 1
+                if entry.state is EntryState.RESIDENT:
+                    self._lease(entry)
+                    out[i] = entry
+                    continue
+                record = loader.in_flight[key]
+                if record.ticket.priority != DEMAND:
+                    record.ticket.promote()  # a demand joined a prefetch: its reads jump the queue
+                    self._prefetcher.promoted += 1
+                table.pin(entry)
+                joined[i] = entry, record.future
+                waits.append(cast("asyncio.Future[object]", record.future))
+            if waits:
+                await asyncio.wait(waits)  # cancels nothing it waits for when cancelled
+            for i, (entry, future) in list(joined.items()):
+                del joined[i]
+                table.unpin(entry)
+                error = (StoreClosed(f"load of expert {entry.key!r} was cancelled") if future.cancelled()
+                         else future.exception())
+                if error is None:
+                    self._lease(entry)  # the pin kept it from eviction until here
+                    out[i] = entry
+                else:
+                    loader.settle(entry)
+                    out[i] = error
+            for i, task in parked.items():
+                out[i] = (StoreClosed(f"acquire of expert {layouts[i].key!r} was cancelled") if task.cancelled()
+                          else task.exception() or task.result())
+            return cast("list[Entry | BaseException]", out)
+        except BaseException:
+            for entry, _ in joined.values():
+                table.unpin(entry)
+                loader.settle(entry)
+            for task in parked.values():
+                task.cancel()
+            while not all(t.done() for t in parked.values()):
+                try:
+                    await asyncio.wait(list(parked.values()))
+                except asyncio.CancelledError:
+                    continue
+            for i, task in parked.items():
+                if not task.cancelled() and task.exception() is None:
+                    out[i] = task.result()
+            for got in out:
+                if isinstance(got, Entry):
+                    self.release(got)
+            raise
+        finally:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self.felt_wait_s += _clock.now() - self._wait_since
 
     def _lease(self, entry: Entry) -> None:
         self._table.lease(entry)

@@ -31,6 +31,13 @@ class LeaseSource(Protocol):
     async def wait_for(self, layout: ExpertLayout) -> Entry:
         """Lease the expert once it is loaded (joining or starting its load)."""
 
+    @property
+    def groups_fast(self) -> bool:
+        """Whether :meth:`wait_for_group` may serve a group's misses."""
+
+    async def wait_for_group(self, layouts: list[ExpertLayout]) -> list[Entry | BaseException]:
+        """:meth:`wait_for` of each, awaited together: each one's leased entry or its error."""
+
     def release(self, entry: Entry) -> None:
         """End one lease of ``entry``."""
 
@@ -95,6 +102,7 @@ class LeaseGroup:
         leases = [Lease(source, key) for key in self._keys]
         views: list[ExpertView | None] = [None] * len(leases)
         pending: dict[asyncio.Task[ExpertView], int] = {}
+        missed: list[int] = []
         try_hit = source.try_hit
         for i, (lease, layout) in enumerate(zip(leases, layouts, strict=True)):
             entry = try_hit(layout)
@@ -102,8 +110,23 @@ class LeaseGroup:
                 lease._entry = entry
                 views[i] = entry.payload.view
             else:
-                pending[asyncio.ensure_future(lease.__aenter__())] = i
+                missed.append(i)
+        if missed and not source.groups_fast:
+            for i in missed:
+                pending[asyncio.ensure_future(leases[i].__aenter__())] = i
+            missed = []
         try:
+            if missed:
+                got = await source.wait_for_group([layouts[i] for i in missed])
+                error: BaseException | None = None
+                for i, result in zip(missed, got, strict=True):
+                    if isinstance(result, BaseException):
+                        error = error or result
+                    else:
+                        leases[i]._entry = result
+                        views[i] = result.payload.view
+                if error is not None:
+                    raise error
             if pending:
                 await _settle(list(pending))
                 for task in pending:
