@@ -178,6 +178,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._tok_gaps_s = 0.0
         self._tok_misses = self._tok_used = 0
         """The token in progress: its time between batches, misses and used prefetches."""
+        self._tok_prompt = False
+        """Whether a prompt batch (more than ``k`` experts) closed in the token in progress."""
         self._pair_on: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
         self._pair_off: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
         self._verdict: str | None = None
@@ -353,6 +355,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 self._learn()
         elif batch:
             self._tail = None
+            self._tok_prompt = True
             if self._picked and self._picked[-1] is not None:
                 self._picked.append(None)
         self._batch = []
@@ -365,8 +368,13 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         if self._now is None:
             return
         now = self._now()
-        if after_decode and self._token_start is not None:
+        if after_decode and not self._tok_prompt and self._token_start is not None:
+            # a decode token: every batch of it was.  A prompt's last batch may look like one:
+            # engines compute the last layer for the rows they need logits of, and the qwen
+            # trace's prompt routes 6 experts (k) there; counting that prompt as a decode
+            # token gave the trial's first pair seconds of noise (+7.6 s), which decided it.
             self._token_done(now - self._token_start)
+        self._tok_prompt = False
         self._token_start = now
         self._tok_gaps_s = 0.0
         self._tok_misses = self._tok_used = 0

@@ -215,7 +215,7 @@ def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint:
 
 def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
                      wait_s: float = 0.0, extra_wait_s: float = 0.0,
-                     extra_miss: bool = False, admit: bool = True) -> list[bool]:
+                     extra_miss: bool = False, admit: bool = True, prompt_s: float = 0.0) -> list[bool]:
     """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
     each layer's requests (all misses, ``wait_s`` each, plus ``extra_wait_s / L`` a layer when
     the token's arm prefetches: its reads in the demand reads' way), its batch end, then the
@@ -223,12 +223,22 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
     ``extra_s / L`` when the token's arm prefetches (what reader threads and the loop would
     take from a compute thread).  ``extra_miss``: the tokens without prefetch find their
     second expert a layer resident (a routing that happens to miss less).  ``admit``: the
-    proposals are admitted (free bytes); ``False``: none ever is.  The arms."""
+    proposals are admitted (free bytes); ``False``: none ever is.  ``prompt_s``: a prompt
+    taking that long first, whose last layer routes k experts.  The arms."""
     rng = np.random.default_rng(seed)
     clock = [0.0]
     policy.set_clock(lambda: clock[0])
     arms = []
     L = len(SHAPE.layers)
+    if prompt_s:
+        # a prompt of 4 tokens: a batch of up to 8 experts a layer, but the last layer only
+        # the last token's 2 (k), as an engine computes it for the logits it needs
+        for layer in SHAPE.layers:
+            experts = range(2) if layer == SHAPE.layers[-1] else range(8)
+            for e in experts:
+                policy.on_request((layer, e), UNIT, False)
+            policy.end_batch()
+            clock[0] += prompt_s / L
     for t in range(n):
         for layer in SHAPE.layers:
             policy.on_request((layer, (t + layer) % 8), UNIT, False)
@@ -266,6 +276,17 @@ def test_the_trial_keeps_a_prefetch_whose_tokens_are_faster() -> None:
     arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=-0.005)
     assert str(policy.cost_verdict).startswith(f"prefetch on after {MIN_TRIAL_PAIRS} pairs")
     assert all(arms[2 * MIN_TRIAL_PAIRS + 1:]) and policy.prefetching
+
+
+def test_a_prompt_whose_last_layer_looks_like_decode_is_not_a_trial_token() -> None:
+    """The qwen trace's prompt routes only k experts at its last layer (the last token's, for
+    its logits).  Counted as the first decode token, a prompt many tokens long made the
+    trial's first pair seconds of noise, and that pair decided the verdict."""
+    for prompt_s in (0.0, 10.0):
+        policy = coact()
+        arms = run_timed_tokens(policy, 2 * TRIAL_PAIRS + 6, extra_s=-0.005, prompt_s=prompt_s)
+        assert arms[:6] == [True, False, False, True, True, False]
+        assert str(policy.cost_verdict).startswith(f"prefetch on after {MIN_TRIAL_PAIRS} pairs"), prompt_s
 
 
 def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:
