@@ -193,9 +193,10 @@ class Acquirer:
         here in the caller's step, and only an acquire that finds no room now waits in a task
         of its own (:meth:`_lease_when_loaded`, the Room's line).
 
-        Why: a task per acquire, each awaiting its load through ``asyncio.shield``, was about
-        15 µs of a 36 KiB miss's CPU on the 2-core VM, where the whole hand-written miss costs
-        80 (docs/benchmarks.md, "Read path against 8 pread threads").
+        Why: a task per acquire, each awaiting its load through ``asyncio.shield``.  A warm
+        loop of 36 KiB misses in groups of 8 (``lru``, ``pread``, the 2-core VM) cost 165-190 µs
+        of CPU a miss with them and 105-140 without, where the hand-written engine's whole miss
+        costs 55-80 (docs/benchmarks.md, "Read path against 8 pread threads").
 
         Returns, in order, each acquire's leased entry or its error (the caller releases the
         leases if any failed).  Cancelled, it releases what it leased, unpins what it pinned,

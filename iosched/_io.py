@@ -140,8 +140,9 @@ class ReadPath:
 
         if verifier is None and len(row := self.router.replicas[span.file]) == 1:
             # The common read: one replica, nothing to check.  What _failover does for it,
-            # without its layers (a closure, the order, a coroutine each: about 10 µs of a
-            # 36 KiB miss's CPU, docs/benchmarks.md, "Read path against 8 pread threads").
+            # without its layers (a closure, the order, a coroutine each: 3 % of the event
+            # loop's time on 36 KiB misses, sampled with py-spy; docs/benchmarks.md, "Read
+            # path against 8 pread threads").
             replica = row[0]
             try:
                 got, cached = await self._one(replica, span.offset, span.length, buf, ticket)
@@ -309,7 +310,7 @@ class ReadPath:
         # may not) then holds a dead view, not an export of the slab, so the slab's export
         # check (``_slab.Slab.exported``) sees only the views an engine keeps.
         # The slot of _slot(), written out: an async context manager costs a generator and
-        # two coroutines a read (about 6 µs of a 36 KiB miss's CPU).
+        # two coroutines a read (5 % of the event loop's time on 36 KiB misses, py-spy).
         handed = buf[:]
         queue, dev = self.queues[replica.device], self.devices[replica.device]
         rep = self.per_replica[self._root_of[replica.file]]
