@@ -31,7 +31,7 @@ gone to the drive") for a backend without them, so wrappers and plain backends s
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, cast
 
 
@@ -97,13 +97,24 @@ class TieredZeroCopyBackend(ZeroCopyBackend, Protocol):
         device I/O (same meaning of ``True`` and ``False`` as ``read_tiered``)."""
 
 
+def tiered_reader(backend: Backend) -> Callable[[int, int, int, memoryview], Awaitable[tuple[int, bool]]]:
+    """``backend.read_tiered`` where it has one, else a reader answering
+    ``(backend.read(...), False)``: looked up once by a caller that reads often (the core's
+    read path), where a lookup and a coroutine of :func:`read_tiered` per read show."""
+    tiered = getattr(backend, "read_tiered", None)
+    if tiered is not None:
+        return cast(TieredBackend, backend).read_tiered
+
+    async def untiered(file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        return await backend.read(file, offset, length, buf), False
+
+    return untiered
+
+
 async def read_tiered(backend: Backend, file: int, offset: int, length: int,
                       buf: memoryview) -> tuple[int, bool]:
     """``backend.read_tiered`` where it has one, else ``(backend.read(...), False)``."""
-    tiered = getattr(backend, "read_tiered", None)
-    if tiered is None:
-        return await backend.read(file, offset, length, buf), False
-    return await cast(TieredBackend, backend).read_tiered(file, offset, length, buf)
+    return await tiered_reader(backend)(file, offset, length, buf)
 
 
 async def map_tiered(backend: ZeroCopyBackend, file: int, offset: int, length: int) -> tuple[memoryview, bool]:

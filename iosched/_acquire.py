@@ -107,29 +107,18 @@ class Acquirer:
         """Acquire when the expert is not resident (or the store is closed)."""
         self._owner()
         self._lifecycle.check_open()
-        started = _clock.now()
-        if self._waiting == 0:
-            self._wait_since = started
-        self._waiting += 1
+        started = self._wait_starts()
         concurrent = self._waiting  # the acquires this one's wait is shared with, so far
         key = layout.key
         entry = self._table.get(key)
-        self.counts.requests += 1
-        self._on_request(key, layout.nbytes, entry is not None)
+        self._count(layout, entry)
         band: int | None = None
-        if entry is None:
-            self.counts.misses += 1
-            if self._growth is not None:
-                band = self._growth.missed(key)
-        else:
-            self.counts.joins += 1
+        if entry is None and self._growth is not None:
+            band = self._growth.missed(key)
         try:
             return await self._lease_when_loaded(layout)
         finally:
-            self._waiting -= 1
-            now = _clock.now()
-            if self._waiting == 0:
-                self.felt_wait_s += now - self._wait_since
+            now = self._wait_ends()
             if self._on_wait is not None:
                 self._on_wait(key, now - started)  # the miss cost the policy weighs
             if band is not None and self._growth is not None:
@@ -161,13 +150,9 @@ class Acquirer:
                 if entry.state is EntryState.RESIDENT:
                     self._lease(entry)
                     return entry
-                record = self._loader.in_flight[key]
-                if record.ticket.priority != DEMAND:
-                    record.ticket.promote()  # a demand joined a prefetch: its reads jump the queue
-                    self._prefetcher.promoted += 1
-                table.pin(entry)
+                loaded = self._join(entry)
                 try:
-                    await asyncio.shield(record.future)
+                    await asyncio.shield(loaded)
                 finally:
                     table.unpin(entry)
                 # The load published the entry (a failed load raised above); the pin kept it
@@ -204,10 +189,8 @@ class Acquirer:
         The group counts as one waiter for the felt wait (a union of intervals anyway)."""
         self._owner()
         self._lifecycle.check_open()
-        if self._waiting == 0:
-            self._wait_since = _clock.now()
-        self._waiting += 1
-        table, loader, counts, on_request = self._table, self._loader, self.counts, self._on_request
+        self._wait_starts()
+        table, loader = self._table, self._loader
         out: list[Entry | BaseException | None] = [None] * len(layouts)
         joined: dict[int, tuple[Entry, asyncio.Future[None]]] = {}  # pinned, with their loads' futures
         waits: list[asyncio.Future[object]] = []
@@ -216,10 +199,8 @@ class Acquirer:
             for i, layout in enumerate(layouts):
                 key = layout.key
                 entry = table.get(key)
-                counts.requests += 1
-                on_request(key, layout.nbytes, entry is not None)
+                self._count(layout, entry)
                 if entry is None:
-                    counts.misses += 1
                     try:
                         entry = table.reserve(key, layout.nbytes)
                     except StoreError as exc:  # larger than the budget: this acquire fails
@@ -231,19 +212,13 @@ class Acquirer:
                         waits.append(cast("asyncio.Future[object]", task))
                         continue
                     loader.start(entry, layout)
-                else:
-                    counts.joins += 1
                 if entry.state is EntryState.RESIDENT:
                     self._lease(entry)
                     out[i] = entry
                     continue
-                record = loader.in_flight[key]
-                if record.ticket.priority != DEMAND:
-                    record.ticket.promote()  # a demand joined a prefetch: its reads jump the queue
-                    self._prefetcher.promoted += 1
-                table.pin(entry)
-                joined[i] = entry, record.future
-                waits.append(cast("asyncio.Future[object]", record.future))
+                loaded = self._join(entry)
+                joined[i] = entry, loaded
+                waits.append(cast("asyncio.Future[object]", loaded))
             if waits:
                 await asyncio.wait(waits)  # cancels nothing it waits for when cancelled
             for i, (entry, future) in list(joined.items()):
@@ -280,9 +255,44 @@ class Acquirer:
                     self.release(got)
             raise
         finally:
-            self._waiting -= 1
-            if self._waiting == 0:
-                self.felt_wait_s += _clock.now() - self._wait_since
+            self._wait_ends()
+
+    def _count(self, layout: ExpertLayout, entry: Entry | None) -> None:
+        """Count an acquire that was no hit, by what it found (``entry``: loading, or ``None``),
+        and tell the policy."""
+        self.counts.requests += 1
+        self._on_request(layout.key, layout.nbytes, entry is not None)
+        if entry is None:
+            self.counts.misses += 1
+        else:
+            self.counts.joins += 1
+
+    def _join(self, entry: Entry) -> asyncio.Future[None]:
+        """Pin the LOADING ``entry`` for a waiter and give the future of its load; a demand
+        joining a prefetch promotes its reads."""
+        record = self._loader.in_flight[entry.key]  # type: ignore[index]
+        if record.ticket.priority != DEMAND:
+            record.ticket.promote()  # a demand joined a prefetch: its reads jump the queue
+            self._prefetcher.promoted += 1
+        self._table.pin(entry)
+        return record.future
+
+    def _wait_starts(self) -> float:
+        """One more acquire waits: the felt wait runs from the first; the time now."""
+        now = _clock.now()
+        if self._waiting == 0:
+            self._wait_since = now
+        self._waiting += 1
+        return now
+
+    def _wait_ends(self) -> float:
+        """One acquire stopped waiting: the felt wait adds its interval at the last; the time
+        now."""
+        self._waiting -= 1
+        now = _clock.now()
+        if self._waiting == 0:
+            self.felt_wait_s += now - self._wait_since
+        return now
 
     def _lease(self, entry: Entry) -> None:
         self._table.lease(entry)

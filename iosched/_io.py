@@ -75,9 +75,7 @@ class ReadPath:
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
         )
-        self._read_tiered: Callable[[int, int, int, memoryview], Awaitable[tuple[int, bool]]] | None = getattr(
-            backend, "read_tiered", None)
-        """The backend's ``read_tiered``, looked up once (``backends.read_tiered`` per read)."""
+        self._read_tiered = backends.tiered_reader(backend)
         self.devices: dict[str, DeviceCounters] = {}
         self.queues: dict[str, DeviceQueue] = {}
         self.per_replica: dict[str, ReplicaCounters] = {root: ReplicaCounters() for root in roots}
@@ -270,23 +268,36 @@ class ReadPath:
             raise InvariantError("a read failed over without an error")
         raise last
 
-    @contextlib.asynccontextmanager
-    async def _slot(self, replica: Replica, ticket: Ticket) -> AsyncIterator[None]:
-        """A slot in the replica's drive queue, counted as pending on the replica while it
-        waits and in flight on the drive while held."""
-        queue, dev = self.queues[replica.device], self.devices[replica.device]
+    async def _take_slot(self, replica: Replica, ticket: Ticket) -> bool:
+        """Wait for a slot in the replica's drive queue, counted as pending on the replica while
+        it waits and in flight on the drive once held; whether the slot is speculative.  Every
+        slot taken is given back with :meth:`_give_slot`.  Two plain methods rather than an
+        async context manager: that costs a generator and two coroutines a read (5 % of the
+        event loop's time on 36 KiB misses, sampled with py-spy)."""
         rep = self.per_replica[self._root_of[replica.file]]
         rep.pending += 1
         try:
-            speculative = await queue.acquire(ticket)
-            dev.in_flight += 1
-            try:
-                yield
-            finally:
-                dev.in_flight -= 1
-                queue.release(speculative)
-        finally:
+            speculative = await self.queues[replica.device].acquire(ticket)
+        except BaseException:
             rep.pending -= 1
+            raise
+        self.devices[replica.device].in_flight += 1
+        return speculative
+
+    def _give_slot(self, replica: Replica, speculative: bool) -> None:
+        self.devices[replica.device].in_flight -= 1
+        self.queues[replica.device].release(speculative)
+        self.per_replica[self._root_of[replica.file]].pending -= 1
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, replica: Replica, ticket: Ticket) -> AsyncIterator[None]:
+        """:meth:`_take_slot` and :meth:`_give_slot` around a block (the less frequent users:
+        mapping, hints)."""
+        speculative = await self._take_slot(replica, ticket)
+        try:
+            yield
+        finally:
+            self._give_slot(replica, speculative)
 
     async def hint(self, key: Hashable, file: int, offset: int, length: int) -> bool:
         """``posix_fadvise(WILLNEED)`` the bytes on the routed replica, in the ``HINT`` class:
@@ -309,25 +320,14 @@ class ReadPath:
         # a hundred; ``backends/_workers.py`` drops them first, a wrapper or another backend
         # may not) then holds a dead view, not an export of the slab, so the slab's export
         # check (``_slab.Slab.exported``) sees only the views an engine keeps.
-        # The slot of _slot(), written out: an async context manager costs a generator and
-        # two coroutines a read (5 % of the event loop's time on 36 KiB misses, py-spy).
         handed = buf[:]
-        queue, dev = self.queues[replica.device], self.devices[replica.device]
-        rep = self.per_replica[self._root_of[replica.file]]
-        rep.pending += 1
         try:
-            speculative = await queue.acquire(ticket)
-            dev.in_flight += 1
+            speculative = await self._take_slot(replica, ticket)
             try:
-                if (tiered := self._read_tiered) is not None:
-                    got, cached = await tiered(replica.file, offset, length, handed)
-                else:
-                    got, cached = await self.backend.read(replica.file, offset, length, handed), False
+                got, cached = await self._read_tiered(replica.file, offset, length, handed)
             finally:
-                dev.in_flight -= 1
-                queue.release(speculative)
+                self._give_slot(replica, speculative)
         finally:
-            rep.pending -= 1
             _let_go(handed)
         self._count(replica, got, ticket)
         return got, cached
