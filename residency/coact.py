@@ -96,7 +96,9 @@ changes nothing is turned off so in a quarter of the runs, which costs nothing (
 the prefetch does not pay its on-tokens are what ``default`` loses to ``lru``, and the paired
 real runs resolve that loss (an A/A pair of ``lru``-equal arms read 0.997-0.998x, qwen,
 2.25 MiB, 4 TD, compute in a thread, 3 runs, 2026-12-02) while the trial's 3 or 4 on-tokens at
-+24 ms each cost 0.5-0.8 % of a 32-token run (0.986x and 0.998x ``lru``)."""
++24 ms each cost 0.5-0.8 % of a 32-token run.  Measured, alternated with the rule from 3 pairs
+(2 runs per trace): 0.982-0.994x ``lru`` against 0.990-1.001x, within the runs' noise; the
+first two pairs were rarely both above zero there, so the rule seldom fires."""
 
 T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
 """Student's t, 97.5th percentile, by degrees of freedom (pairs - 1): the trial's threshold in

@@ -125,6 +125,26 @@ def test_coactivation_learns_a_deterministic_pairing() -> None:
     assert co.predict(1, [1], 1, pop) is None
 
 
+def test_coactivation_predicts_the_shrunk_mean_of_the_conditionals() -> None:
+    """``predict`` is the mean over the picks of (counts + k x popularity) / (picks + 1),
+    capped at 1, whatever way it is computed (one matrix-vector product since session 25);
+    a pick never seen adds popularity alone, and all picks unseen is ``None``."""
+    rng = np.random.default_rng(5)
+    co = CoActivation(n_layers=3, n_expert=16)
+    co.learn_arrays(rng.integers(0, 2, 200).astype(np.intp), rng.integers(0, 16, (200, 4)).astype(np.intp),
+                    rng.integers(0, 16, (200, 4)).astype(np.intp))
+    pop = rng.dirichlet(np.ones(16))
+    for pos in (0, 1):
+        picks = [int(e) for e in rng.choice(16, 4, replace=False)]
+        seen = co.picks[pos, picks]
+        assert co.counts is not None
+        expected = np.minimum(np.mean([(co.counts[pos, i].astype(np.float64) + 4 * pop) / (s + 1.0)
+                                       for i, s in zip(picks, seen, strict=True)], axis=0), 1.0)
+        got = co.predict(pos, picks, 4, pop)
+        assert got is not None and np.allclose(got, expected, rtol=1e-12, atol=0.0)
+    assert co.predict(2, [0, 1], 4, pop) is None  # nothing learned from position 2
+
+
 def test_prefetch_proposes_the_learned_next_layer_experts_and_they_hit() -> None:
     """Layer l's picks decide layer l+1's (expert e -> e+2): after learning, the proposals
     are exactly the next layer's experts, and demand finds them resident."""
