@@ -4,7 +4,7 @@ Why a pool: a fresh anonymous mapping costs an ``mmap`` call and one page fault 
 first write (about 750 faults for a 3 MiB expert); experts of one model come in a handful of
 sizes, so the buffer an eviction frees is usually the size the next load needs (the same
 after page rounding, or with O_DIRECT a block or two apart: :func:`reuse_slack`).  Before the
-pool really recycled under a full budget (:attr:`SlabPool.spare`), iosched's cold misses
+pool really recycled under a full budget (:attr:`SlabPool.spares`), iosched's cold misses
 waited 1.35-1.8x as long as 8 hand-written ``pread`` threads (``iosched bench-readpath``).
 
 Why ``mmap.mmap(-1, n)``: anonymous mappings are page-aligned, which O_DIRECT needs, and they
@@ -13,8 +13,8 @@ go back to the kernel on ``close`` instead of lingering in the allocator's heap.
 Invariant kept with the store's help: the pool holds idle buffers only while they fit in the
 budget's headroom (``resident + idle <= budget``, each buffer counted at its page-rounded
 size), so the buffers' total memory stays within the byte budget plus page rounding.  The
-one exception is the :attr:`SlabPool.spare`: an evicted expert's slab, held only until the end
-of the event-loop step in which the load it made room for takes it.
+one exception is the :attr:`SlabPool.spares`: evicted experts' slabs, held only until the end
+of the event-loop step in which the loads they made room for take them.
 
 **No stale view** (``docs/design.md``, "Slabs and views"): a slab is recycled only when no
 buffer of its mapping is exported any more (:meth:`Slab.exported`).  An engine that keeps
@@ -216,10 +216,16 @@ class SlabPool:
         """Slabs given back (recycled, closed or retired); ``takes - gives`` are held by loads
         and resident experts."""
         self.retired = RetiredSlabs()
-        self.spare: Slab | None = None
-        """A slab an eviction freed that did not fit the idle headroom (by its own page or block
-        rounding), handed to the load the same event-loop step starts (:meth:`take`), else
-        closed at the end of that step: never idle, never held past the step."""
+        self.spares: list[Slab] = []
+        """Slabs evictions freed that did not fit the idle headroom (by their own page or block
+        rounding), handed to the loads the same event-loop step starts (:meth:`take`), else
+        closed at the end of that step: never idle, never held past the step.  A list, not one
+        slab: a batch of prefetches (``reserve_speculative_many``) evicts several victims
+        before its loads start, and with a single spare all but one of their slabs were closed
+        and as many fresh ones mapped (111 of 137 prefetch loads in a paired real run, qwen,
+        2.25 MiB experts, 4 TD: page faults, zeroing and an munmap's TLB flush on every core
+        each).  Their bytes are the evicted experts', which the loads about to start take, so
+        the pool still holds no more than the budget past the step."""
 
     def take(self, nbytes: int) -> Slab:
         """An idle slab of at least ``nbytes`` (page-rounded), else a new one.
@@ -232,11 +238,12 @@ class SlabPool:
         bench-readpath``, docs/benchmarks.md)."""
         capacity = round_up(max(nbytes, 1), PAGE)
         self.takes += 1
-        spare = self.spare
-        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
-            self.spare = None
-            self.taken_bytes += spare.capacity
-            return spare
+        spares = self.spares
+        for i, spare in enumerate(spares):
+            if capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+                del spares[i]
+                self.taken_bytes += spare.capacity
+                return spare
         free = self._idle.get(capacity)
         if not free:
             fits = [c for c, slabs in self._idle.items() if slabs and capacity < c <= capacity + reuse_slack(capacity)]
@@ -261,8 +268,8 @@ class SlabPool:
         dates the warning about views kept for long (:meth:`_warn_if_kept`).
 
         ``hand_over`` (an eviction, whose reservation's load takes a slab in the same step): a
-        free slab that does not fit ``max_idle_bytes`` becomes the :attr:`spare` instead of
-        being closed.  Why: the table counts an expert at its bytes, its slab holds them page-
+        free slab that does not fit ``max_idle_bytes`` becomes one of the :attr:`spares`
+        instead of being closed.  Why: the table counts an expert at its bytes, its slab holds them page-
         (O_DIRECT: block-) rounded, so with the budget full the slab an eviction freed never
         fitted the headroom, was closed, and every miss mapped a fresh one: its page faults,
         the kernel's zeroing and munmap's TLB flush were most of the gap to a hand-written
@@ -273,7 +280,7 @@ class SlabPool:
         # would reuse just as well) was closed, so a retired slab freed was worth nothing.
         if watch is not None or slab.exported():
             self.retired.retire(slab, owner, watch, self.taken_bytes)
-        elif hand_over and self.idle_bytes + slab.capacity > max_idle_bytes and self.spare is None:
+        elif hand_over and self.idle_bytes + slab.capacity > max_idle_bytes:
             self._hand_over(slab)
         else:
             self._keep(slab, max_idle_bytes)
@@ -303,20 +310,22 @@ class SlabPool:
         except RuntimeError:
             slab.close()
             return
-        self.spare = slab
+        self.spares.append(slab)
         loop.call_soon(self._spare_unused, slab)
 
     def _spare_unused(self, slab: Slab) -> None:
-        """The step that made ``slab`` the spare ended: close it unless a load took it."""
-        if self.spare is slab:
-            self.spare = None
-            slab.close()
+        """The step that made ``slab`` a spare ended: close it unless a load took it."""
+        spares = self.spares
+        for i, spare in enumerate(spares):
+            if spare is slab:
+                del spares[i]
+                slab.close()
+                return
 
     def fits(self, nbytes: int) -> bool:
-        """Whether :meth:`take` of ``nbytes`` would reuse the spare or an idle slab."""
+        """Whether :meth:`take` of ``nbytes`` would reuse a spare or an idle slab."""
         capacity = round_up(max(nbytes, 1), PAGE)
-        spare = self.spare
-        if spare is not None and capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+        if any(capacity <= spare.capacity <= capacity + reuse_slack(capacity) for spare in self.spares):
             return True
         return any(slabs and capacity <= c <= capacity + reuse_slack(capacity) for c, slabs in self._idle.items())
 
@@ -364,7 +373,7 @@ class SlabPool:
 
     def close(self) -> None:
         self.trim(0)
-        if self.spare is not None:
-            self.spare.close()
-            self.spare = None
+        for spare in self.spares:
+            spare.close()
+        self.spares.clear()
         self.retired.let_go()
