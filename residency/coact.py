@@ -88,17 +88,16 @@ MIN_TRIAL_PAIRS = 3
 """Pairs before the trial may keep the prefetch early, or find nothing to prefetch: the fewest
 from which a standard error means anything."""
 
-MIN_OFF_PAIRS = 2
-"""Pairs before the trial may turn the prefetch off early.  At 2 pairs "the mean above one
-standard error" (:data:`OFF_SE`) is "both pairs above zero", a sign test: a prefetch that
-changes nothing is turned off so in a quarter of the runs, which costs nothing (off is
-``lru``), and one that saves one standard deviation a pair in about 2.5 %.  Why not 3: where
-the prefetch does not pay its on-tokens are what ``default`` loses to ``lru``, and the paired
-real runs resolve that loss (an A/A pair of ``lru``-equal arms read 0.997-0.998x, qwen,
-2.25 MiB, 4 TD, compute in a thread, 3 runs, 2026-12-02) while the trial's 3 or 4 on-tokens at
-+24 ms each cost 0.5-0.8 % of a 32-token run.  Measured, alternated with the rule from 3 pairs
-(2 runs per trace): 0.982-0.994x ``lru`` against 0.990-1.001x, within the runs' noise; the
-first two pairs were rarely both above zero there, so the rule seldom fires."""
+MIN_OFF_PAIRS = 3
+"""Pairs before the trial may turn the prefetch off early: as many as it takes to keep it
+(:data:`MIN_TRIAL_PAIRS`).  From 2 pairs for a while (session 25): there "the mean above one
+standard error" is "both pairs above zero", a sign test, chosen while the prefetch never paid
+at 4 TD with compute in a thread, so that an early "off" cost nothing.  Once a batch of
+prefetches reused the slabs its evictions freed (``iosched/_slab.py``), it paid there
+(1.010-1.014x ``lru`` over the whole trace where kept), and the sign test turned it off in one
+run of six on +0.8 ms a token (standard error 0.3 ms), the rest of that run at 0.999x
+(docs/benchmarks.md, session 26).  Alternated with the rule from 3 pairs while the prefetch did
+not pay, the rule from 2 read the same within the noise (0.982-0.994x against 0.990-1.001x)."""
 
 T_975 = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
 """Student's t, 97.5th percentile, by degrees of freedom (pairs - 1): the trial's threshold in
