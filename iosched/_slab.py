@@ -51,6 +51,13 @@ def reuse_slack(capacity: int) -> int:
     holds two."""
     return min(capacity - 1, max(REUSE_SLACK_MIN, capacity >> REUSE_SLACK_SHIFT))
 
+
+def serves(capacity: int, slab_capacity: int) -> bool:
+    """Whether a slab of ``slab_capacity`` bytes may serve a load that needs ``capacity``
+    (page-rounded): at least that, and at most :func:`reuse_slack` more."""
+    return capacity <= slab_capacity <= capacity + reuse_slack(capacity)
+
+
 log = logging.getLogger("iosched")
 
 
@@ -240,13 +247,13 @@ class SlabPool:
         self.takes += 1
         spares = self.spares
         for i, spare in enumerate(spares):
-            if capacity <= spare.capacity <= capacity + reuse_slack(capacity):
+            if serves(capacity, spare.capacity):
                 del spares[i]
                 self.taken_bytes += spare.capacity
                 return spare
         free = self._idle.get(capacity)
         if not free:
-            fits = [c for c, slabs in self._idle.items() if slabs and capacity < c <= capacity + reuse_slack(capacity)]
+            fits = [c for c, slabs in self._idle.items() if slabs and serves(capacity, c)]  # the exact size has none
             free = self._idle[min(fits)] if fits else None
         if free:
             slab = free.pop()
@@ -325,9 +332,9 @@ class SlabPool:
     def fits(self, nbytes: int) -> bool:
         """Whether :meth:`take` of ``nbytes`` would reuse a spare or an idle slab."""
         capacity = round_up(max(nbytes, 1), PAGE)
-        if any(capacity <= spare.capacity <= capacity + reuse_slack(capacity) for spare in self.spares):
+        if any(serves(capacity, spare.capacity) for spare in self.spares):
             return True
-        return any(slabs and capacity <= c <= capacity + reuse_slack(capacity) for c, slabs in self._idle.items())
+        return any(slabs and serves(capacity, c) for c, slabs in self._idle.items())
 
     def reclaim(self, max_idle_bytes: int, keep_for: int = 0) -> None:
         """Take back the retired slabs whose last reference died (kept idle within

@@ -88,7 +88,7 @@ MIN_TRIAL_PAIRS = 3
 """Pairs before the trial may keep the prefetch early, or find nothing to prefetch: the fewest
 from which a standard error means anything."""
 
-MIN_OFF_PAIRS = 3
+MIN_OFF_PAIRS = MIN_TRIAL_PAIRS
 """Pairs before the trial may turn the prefetch off early: as many as it takes to keep it
 (:data:`MIN_TRIAL_PAIRS`).  From 2 pairs for a while (session 25): there "the mean above one
 standard error" is "both pairs above zero", a sign test, chosen while the prefetch never paid

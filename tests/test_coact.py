@@ -257,8 +257,8 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
 def test_the_trial_alternates_tokens_abba_and_ends_after_its_pairs() -> None:
     """A prefetch that neither costs nor saves: never kept early.  The burden of proof is on
     the prefetch, so noise may turn it off early (``MIN_OFF_PAIRS``, ``OFF_SE``: from 3 pairs
-    on); otherwise the median pair decides after all the
-    pairs (either way); from then on the arm is constant."""
+    on); otherwise the median pair decides after all the pairs (either way); from then on the
+    arm is constant."""
     full = early = 0
     for seed in range(6):
         policy = coact()
@@ -322,7 +322,7 @@ def test_the_trial_prices_out_a_routing_that_misses_more_on_the_tokens_with_pref
         policy = coact()
         run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=0.0, wait_s=5e-3, extra_miss=True, seed=seed)
         verdict = str(policy.cost_verdict)
-        if seed in (0, 2, 4):  # as the tokens without the extra misses (above)
+        if seed in (0, 1, 2, 4):  # as the tokens without the extra misses (above)
             assert f"after {TRIAL_PAIRS} pairs" in verdict, verdict
         assert f"after {TRIAL_PAIRS} pairs" in verdict or verdict.startswith("prefetch off"), verdict
 
