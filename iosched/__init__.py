@@ -35,7 +35,7 @@ from ._layout import (
     SkippedTensors,
     TensorSpec,
 )
-from ._lease import Lease, LeaseGroup
+from ._lease import ArrivalGroup, Lease, LeaseGroup
 from ._manifest import ManifestSummary, default_manifest_path, write_manifest
 from ._pack import ExpertMove, PackError, PackReport, Placement, pack_checkpoint
 from ._settings import override as override_settings
@@ -44,6 +44,7 @@ from ._store import ExpertStore
 from ._view import ExpertView
 
 __all__ = [
+    "ArrivalGroup",
     "BackendUnavailable",
     "BudgetError",
     "CheckpointError",

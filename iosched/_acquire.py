@@ -109,20 +109,37 @@ class Acquirer:
         self._lifecycle.check_open()
         started = self._wait_starts()
         concurrent = self._waiting  # the acquires this one's wait is shared with, so far
-        key = layout.key
-        entry = self._table.get(key)
-        self._count(layout, entry)
-        band: int | None = None
-        if entry is None and self._growth is not None:
-            band = self._growth.missed(key)
+        band = self._count_miss(layout)
         try:
             return await self._lease_when_loaded(layout)
         finally:
-            now = self._wait_ends()
-            if self._on_wait is not None:
-                self._on_wait(key, now - started)  # the miss cost the policy weighs
-            if band is not None and self._growth is not None:
-                self._growth.credit(band, (now - started) / concurrent)
+            self._waited(layout, band, started, self._wait_ends(), concurrent)
+
+    async def wait_counted(self, layout: ExpertLayout, band: int | None) -> Entry:
+        """:meth:`wait_for` of an acquire already counted (:meth:`_count_miss` gave ``band``)
+        whose wait is not the engine's own: the engine may compute meanwhile, and whoever
+        awaits this counts the felt wait (:class:`GroupWait`)."""
+        started = _clock.now()
+        try:
+            return await self._lease_when_loaded(layout)
+        finally:
+            self._waited(layout, band, started, _clock.now(), max(self._waiting, 1))
+
+    def _count_miss(self, layout: ExpertLayout) -> int | None:
+        """Count an acquire that was no hit; the budget growth's band it missed in, if any."""
+        entry = self._table.get(layout.key)
+        self._count(layout, entry)
+        if entry is None and self._growth is not None:
+            return self._growth.missed(layout.key)
+        return None
+
+    def _waited(self, layout: ExpertLayout, band: int | None, started: float, now: float, concurrent: int) -> None:
+        """An acquire's wait from ``started`` to ``now``, shared with ``concurrent`` others:
+        the miss cost the policy weighs, the budget growth's credit."""
+        if self._on_wait is not None:
+            self._on_wait(layout.key, now - started)
+        if band is not None and self._growth is not None:
+            self._growth.credit(band, (now - started) / concurrent)
 
     async def _lease_when_loaded(self, layout: ExpertLayout) -> Entry:
         """Reserve and start the load if nobody did, wait for it, lease the entry."""
@@ -173,12 +190,10 @@ class Acquirer:
 
     async def wait_for_group(self, layouts: list[ExpertLayout]) -> list[Entry | BaseException]:
         """:meth:`wait_for` of each of ``layouts`` (a group's acquires that :meth:`try_hit`
-        found not resident), awaited together in this one coroutine: per acquire, its count,
-        the policy's ``on_request``, its reservation and load (or the load it joins) are done
-        here in the caller's step, and only an acquire that finds no room now waits in a task
-        of its own (:meth:`_lease_when_loaded`, the Room's line).
+        found not resident), awaited together in this one coroutine (:meth:`start_group`, then
+        one wait for all of them).
 
-        Why: a task per acquire, each awaiting its load through ``asyncio.shield``.  A warm
+        Why not a task per acquire, each awaiting its load through ``asyncio.shield``: a warm
         loop of 36 KiB misses in groups of 8 (``lru``, ``pread``, the 2-core VM) cost 165-190 µs
         of CPU a miss with them and 105-140 without, where the hand-written engine's whole miss
         costs 55-80 (docs/benchmarks.md, "Read path against 8 pread threads").
@@ -190,72 +205,35 @@ class Acquirer:
         self._owner()
         self._lifecycle.check_open()
         self._wait_starts()
-        table, loader = self._table, self._loader
-        out: list[Entry | BaseException | None] = [None] * len(layouts)
-        joined: dict[int, tuple[Entry, asyncio.Future[None]]] = {}  # pinned, with their loads' futures
-        waits: list[asyncio.Future[object]] = []
-        parked: dict[int, asyncio.Task[Entry]] = {}
         try:
-            for i, layout in enumerate(layouts):
-                key = layout.key
-                entry = table.get(key)
-                self._count(layout, entry)
-                if entry is None:
-                    try:
-                        entry = table.reserve(key, layout.nbytes)
-                    except StoreError as exc:  # larger than the budget: this acquire fails
-                        out[i] = exc
-                        continue
-                    if entry is None:  # no room now: the Room's line, in a task of its own
-                        task = asyncio.ensure_future(self._lease_when_loaded(layout))
-                        parked[i] = task
-                        waits.append(cast("asyncio.Future[object]", task))
-                        continue
-                    loader.start(entry, layout)
-                if entry.state is EntryState.RESIDENT:
-                    self._lease(entry)
-                    out[i] = entry
-                    continue
-                loaded = self._join(entry)
-                joined[i] = entry, loaded
-                waits.append(cast("asyncio.Future[object]", loaded))
-            if waits:
-                await asyncio.wait(waits)  # cancels nothing it waits for when cancelled
-            for i, (entry, future) in list(joined.items()):
-                del joined[i]
-                table.unpin(entry)
-                error = (StoreClosed(f"load of expert {entry.key!r} was cancelled") if future.cancelled()
-                         else future.exception())
-                if error is None:
-                    self._lease(entry)  # the pin kept it from eviction until here
-                    out[i] = entry
-                else:
-                    loader.settle(entry)
-                    out[i] = error
-            for i, task in parked.items():
-                out[i] = (StoreClosed(f"acquire of expert {layouts[i].key!r} was cancelled") if task.cancelled()
-                          else task.exception() or task.result())
+            group = self.start_group(layouts)
+            out: list[Entry | BaseException | None] = [None] * len(layouts)
+            try:
+                while group.pending:
+                    for i, got in await group.collect(every=True):
+                        out[i] = got
+                for i, got in group.collect_done():
+                    out[i] = got
+            except BaseException:
+                await group.abandon()
+                for held in out:
+                    if isinstance(held, Entry):
+                        self.release(held)
+                raise
             return cast("list[Entry | BaseException]", out)
-        except BaseException:
-            for entry, _ in joined.values():
-                table.unpin(entry)
-                loader.settle(entry)
-            for task in parked.values():
-                task.cancel()
-            while not all(t.done() for t in parked.values()):
-                try:
-                    await asyncio.wait(list(parked.values()))
-                except asyncio.CancelledError:
-                    continue
-            for i, task in parked.items():
-                if not task.cancelled() and task.exception() is None:
-                    out[i] = task.result()
-            for got in out:
-                if isinstance(got, Entry):
-                    self.release(got)
-            raise
         finally:
             self._wait_ends()
+
+    def start_group(self, layouts: list[ExpertLayout]) -> GroupWait:
+        """Start (or join) the load of each of ``layouts`` in the caller's step and return
+        them in flight (:class:`GroupWait`): per acquire, its count, the policy's
+        ``on_request``, its reservation and load (or the load it joins); only an acquire that
+        finds no room now waits in a task of its own (:meth:`_lease_when_loaded`, the Room's
+        line), and every acquire does when the policy weighs each one's own wait
+        (:attr:`groups_fast` false: :meth:`wait_counted`).  Counts no felt wait: whoever awaits the group does."""
+        self._owner()
+        self._lifecycle.check_open()
+        return GroupWait(self, layouts)
 
     def _count(self, layout: ExpertLayout, entry: Entry | None) -> None:
         """Count an acquire that was no hit, by what it found (``entry``: loading, or ``None``),
@@ -304,3 +282,138 @@ class Acquirer:
 
     def batch_done(self) -> None:
         self._prefetcher.batch_done()
+
+
+class GroupWait:
+    """A group's misses in flight (:meth:`Acquirer.start_group`), collected as they finish.
+
+    Each acquire is *joined* (its entry pinned, awaiting its load's future), *parked* (a task
+    of its own: waiting for room, or every acquire where the policy weighs each one's wait),
+    or *done* (leased, or its error).  :meth:`collect` hands over what finished, leased: from
+    then on the caller owns those leases.  :meth:`abandon` is the way out for whatever was not
+    collected: it unpins and settles the joined, cancels the parked, and releases every lease
+    it still holds; the loads go on for whoever else waits.
+
+    Invariant: every position is in exactly one of ``_joined``, ``_parked`` and ``_done``
+    until it is collected."""
+
+    __slots__ = ("_acquirer", "_keys", "_joined", "_parked", "_done")
+
+    def __init__(self, acquirer: Acquirer, layouts: list[ExpertLayout]) -> None:
+        self._acquirer = acquirer
+        self._keys = [layout.key for layout in layouts]
+        self._joined: dict[int, tuple[Entry, asyncio.Future[None]]] = {}
+        self._parked: dict[int, asyncio.Task[Entry]] = {}
+        self._done: list[tuple[int, Entry | BaseException]] = []
+        table, loader = acquirer._table, acquirer._loader
+        per_acquire = not acquirer.groups_fast
+        try:
+            for i, layout in enumerate(layouts):
+                if per_acquire:  # counted now, so the batch-end work sees the whole group
+                    band = acquirer._count_miss(layout)
+                    self._parked[i] = asyncio.ensure_future(acquirer.wait_counted(layout, band))
+                    continue
+                key = layout.key
+                entry = table.get(key)
+                acquirer._count(layout, entry)
+                if entry is None:
+                    try:
+                        entry = table.reserve(key, layout.nbytes)
+                    except StoreError as exc:  # larger than the budget: this acquire fails
+                        self._done.append((i, exc))
+                        continue
+                    if entry is None:  # no room now: the Room's line, in a task of its own
+                        self._parked[i] = asyncio.ensure_future(acquirer._lease_when_loaded(layout))
+                        continue
+                    loader.start(entry, layout)
+                if entry.state is EntryState.RESIDENT:
+                    acquirer._lease(entry)
+                    self._done.append((i, entry))
+                    continue
+                self._joined[i] = entry, acquirer._join(entry)
+        except BaseException:
+            self._drop()
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """Whether some acquire has not finished yet."""
+        return bool(self._joined or self._parked)
+
+    def collect_done(self) -> list[tuple[int, Entry | BaseException]]:
+        """What finished so far and was not collected, as ``(position, leased entry or
+        error)``, without awaiting; the caller owns the leases."""
+        acquirer = self._acquirer
+        table = acquirer._table
+        for i, (entry, future) in list(self._joined.items()):
+            if not future.done():
+                continue
+            del self._joined[i]
+            table.unpin(entry)
+            error = (StoreClosed(f"load of expert {entry.key!r} was cancelled") if future.cancelled()
+                     else future.exception())
+            if error is None:
+                acquirer._lease(entry)  # the pin kept it from eviction until here
+                self._done.append((i, entry))
+            else:
+                acquirer._loader.settle(entry)
+                self._done.append((i, error))
+        for i, task in list(self._parked.items()):
+            if task.done():
+                del self._parked[i]
+                self._done.append((i, StoreClosed(f"acquire of expert {self._keys[i]!r} was cancelled")
+                                   if task.cancelled() else task.exception() or task.result()))
+        done, self._done = self._done, []
+        return done
+
+    async def collect(self, every: bool = False, felt: bool = False) -> list[tuple[int, Entry | BaseException]]:
+        """:meth:`collect_done`, once at least one acquire finished since the last collect
+        (awaiting one when none did; ``every``: awaiting all of them).  ``felt``: count the
+        await as the engine's felt wait.  Cancelled, it re-raises and holds what it held
+        (:meth:`abandon` releases it)."""
+        waits = [cast("asyncio.Future[object]", f) for _, f in self._joined.values()]
+        waits += [cast("asyncio.Future[object]", t) for t in self._parked.values()]
+        if waits and (every or not (self._done or any(w.done() for w in waits))):
+            acquirer = self._acquirer
+            if felt:
+                acquirer._wait_starts()
+            try:  # asyncio.wait cancels nothing it waits for when cancelled
+                await asyncio.wait(waits, return_when=asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED)
+            finally:
+                if felt:
+                    acquirer._wait_ends()
+        return self.collect_done()
+
+    async def abandon(self) -> None:
+        """Give up on whatever was not collected: unpin and settle the joined entries, cancel
+        the parked tasks (waiting until they end), release the leases they and the finished
+        ones hold."""
+        parked = self._parked
+        for task in parked.values():
+            task.cancel()
+        while not all(t.done() for t in parked.values()):
+            try:
+                await asyncio.wait(list(parked.values()))
+            except asyncio.CancelledError:
+                continue
+        self._drop()
+
+    def _drop(self) -> None:
+        """Unpin and settle the joined, release what finished (parked tasks must be done)."""
+        acquirer = self._acquirer
+        for entry, _ in self._joined.values():
+            acquirer._table.unpin(entry)
+            acquirer._loader.settle(entry)
+        self._joined.clear()
+        for i, task in list(self._parked.items()):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._done.append((i, task.result()))
+            if task.done():
+                del self._parked[i]
+        for task in self._parked.values():  # only on an error in __init__: nothing awaited them yet
+            task.cancel()
+        self._parked.clear()
+        done, self._done = self._done, []
+        for _, got in done:
+            if isinstance(got, Entry):
+                acquirer.release(got)

@@ -19,6 +19,20 @@ from ._layout import ExpertKey, ExpertLayout
 from ._view import ExpertView
 
 
+class PendingGroup(Protocol):
+    """A group's acquires in flight (implemented by ``iosched._acquire.GroupWait``)."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether some acquire has not finished yet."""
+
+    async def collect(self, every: bool = False, felt: bool = False) -> list[tuple[int, Entry | BaseException]]:
+        """Those finished since the last collect (awaiting one, or ``every`` one), leased."""
+
+    async def abandon(self) -> None:
+        """Release, unpin or cancel whatever was not collected."""
+
+
 class LeaseSource(Protocol):
     """What a lease asks of the store (implemented by ``iosched._acquire.Acquirer``)."""
 
@@ -37,6 +51,9 @@ class LeaseSource(Protocol):
 
     async def wait_for_group(self, layouts: list[ExpertLayout]) -> list[Entry | BaseException]:
         """:meth:`wait_for` of each, awaited together: each one's leased entry or its error."""
+
+    def start_group(self, layouts: list[ExpertLayout]) -> PendingGroup:
+        """Start (or join) the loads of ``layouts``, the acquires :meth:`try_hit` missed."""
 
     def release(self, entry: Entry) -> None:
         """End one lease of ``entry``."""
@@ -147,6 +164,110 @@ class LeaseGroup:
         leases, self._leases = self._leases, []
         for lease in leases:
             lease.release()
+
+
+class ArrivalGroup:
+    """``async with store.acquire_as_ready(keys) as arrivals: async for views in arrivals``:
+    a layer's experts in the order they become resident, so the engine computes on those at
+    hand while the others load.
+
+    The first batch is every expert resident on entry (no await); each next batch awaits at
+    least one more load and holds every load finished by then, so the last batch ends the
+    iteration.  A view is leased from the batch that brings it until the group's exit, which
+    releases every lease and gives up the loads not collected yet (they go on for whoever else
+    waits for them).  A failed acquire (a ``StoreError`` naming the expert) is raised by the
+    ``__anext__`` after the batch that held the others finished with it; iterating on yields
+    the rest.  The policy's batch-end work is scheduled on entry, once every load of the group
+    started, and runs at the engine's next await (its compute in a thread, or its wait for
+    the next batch).  The felt wait counts only the awaits of ``__anext__``.
+
+    Why: ``acquire_many`` holds the engine until a layer's slowest read is in, with every
+    resident expert of that layer ready to compute.  Computing those meanwhile takes the reads
+    off the critical path as far as the compute lasts (docs/benchmarks.md, "Compute on what is
+    at hand").
+    """
+
+    __slots__ = ("_source", "_keys", "_entries", "_group", "_first", "_errors", "_entered")
+
+    def __init__(self, source: LeaseSource, keys: Iterable[ExpertKey]) -> None:
+        self._source = source
+        self._keys = list(keys)
+        self._entries: list[Entry] = []
+        """Every lease the group holds (released at exit)."""
+        self._group: PendingGroup | None = None
+        self._first: list[ExpertView] | None = None
+        self._errors: list[BaseException] = []
+        self._entered = False
+
+    async def __aenter__(self) -> ArrivalGroup:
+        if self._entered:
+            raise StoreError("an acquire_as_ready group entered twice")
+        self._entered = True
+        source = self._source
+        layouts = [source.layout_of(key) for key in self._keys]  # an unknown key raises here
+        first: list[ExpertView] = []
+        missed: list[ExpertLayout] = []
+        try_hit = source.try_hit
+        for layout in layouts:
+            entry = try_hit(layout)
+            if entry is None:
+                missed.append(layout)
+            else:
+                self._entries.append(entry)
+                first.append(_view_of(entry))
+        if missed:
+            try:
+                self._group = source.start_group(missed)
+            except BaseException:
+                self._release()
+                raise
+        self._first = first
+        source.batch_done()
+        return self
+
+    def __aiter__(self) -> ArrivalGroup:
+        return self
+
+    async def __anext__(self) -> list[ExpertView]:
+        first, self._first = self._first, None
+        if first:
+            return first
+        while True:
+            if self._errors:
+                raise self._errors.pop(0)
+            group = self._group
+            if group is None:
+                raise StopAsyncIteration
+            if not group.pending:  # this collect takes the last ones, without awaiting
+                self._group = None
+            views = self._take(await group.collect(felt=True))
+            if views:
+                return views
+
+    def _take(self, got: list[tuple[int, Entry | BaseException]]) -> list[ExpertView]:
+        """The views of the leased entries in ``got`` (held from now on); errors kept for the
+        next ``__anext__``."""
+        views = []
+        for _, result in got:
+            if isinstance(result, BaseException):
+                self._errors.append(result)
+            else:
+                self._entries.append(result)
+                views.append(_view_of(result))
+        return views
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        group, self._group = self._group, None
+        try:
+            if group is not None:
+                await group.abandon()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        entries, self._entries = self._entries, []
+        for entry in entries:
+            self._source.release(entry)
 
 
 async def _settle(tasks: list[asyncio.Task[ExpertView]]) -> None:

@@ -34,7 +34,7 @@ from ._acquire import Acquirer
 from ._autogrow import AutoGrow
 from ._errors import InvariantError, StoreError
 from ._layout import CheckpointIndex, ExpertKey
-from ._lease import Lease, LeaseGroup
+from ._lease import ArrivalGroup, Lease, LeaseGroup
 from ._loads import Loader
 from ._open import OpenArgs, StoreParts, assemble
 from ._pacing import IdlePacer
@@ -299,6 +299,19 @@ class ExpertStore:
         if _thread_ident() != self._thread:
             self._check_loop()
         return LeaseGroup(self._acquirer, keys)
+
+    def acquire_as_ready(self, keys: Iterable[ExpertKey]) -> ArrivalGroup:
+        """``async with store.acquire_as_ready(keys) as arrivals``, then ``async for views in
+        arrivals``: lease several experts at once, as ``acquire_many`` does, but hand them over
+        as they become resident: first every one resident now, then each batch of loads that
+        finished, so the engine computes on those at hand while the others load.  Every view
+        stays leased until the group exits; ``view.key`` says which expert it holds.  A failed
+        acquire raises (a ``StoreError`` naming the expert) after the batch that held the
+        others; exiting early gives up the loads not handed over (they go on for whoever else
+        waits).  The felt wait counts only the awaits of the iteration."""
+        if _thread_ident() != self._thread:
+            self._check_loop()
+        return ArrivalGroup(self._acquirer, keys)
 
     def prefetch(self, keys: Iterable[ExpertKey]) -> int:
         """Start loads of the keys not resident nor loading, as far as the budget allows

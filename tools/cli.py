@@ -113,7 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise StoreError("give --compute or --compute-ms (the same as --compute sleep:MS), not both")
     config = DemoConfig(
         trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
-        compute=args.compute, compute_on=args.compute_on, compare=compare, rounds=args.rounds,
+        compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits, compare=compare, rounds=args.rounds,
         backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
         scale=args.scale, telemetry=args.telemetry,
     )

@@ -53,6 +53,12 @@ from . import _command
 
 COMPUTE_ON = ("thread", "loop")
 DEFAULT_COMPUTE_ON = "thread"
+AWAITS = ("as-ready", "all")
+"""What the engine awaits before it computes on a layer's experts: ``as-ready`` (an iosched
+store's ``acquire_as_ready``: those at hand first, then each batch of loads as it lands), or
+``all`` (``acquire_many``: every one).  The hand-written arm always awaits all, as the engine
+a user writes around ``os.pread`` does."""
+DEFAULT_AWAITS = "as-ready"
 """Where real compute runs by default: a worker thread, as engines that keep their loop free do
 (docs/benchmarks.md, "Real compute and the hand-written arm", measures both)."""
 ROLES = ("gate_proj", "up_proj", "down_proj")
@@ -140,7 +146,7 @@ def parse_compute(text: str) -> ComputeSpec:
 
 def add_compute_arguments(p: argparse.ArgumentParser, *, prefix: str = "",
                           default: ComputeSpec | None = NUMPY) -> None:
-    """``--compute``, ``--compute-on`` and ``--compute-ms`` on ``p`` (``iosched demo`` and
+    """``--compute``, ``--compute-on``, ``--engine-awaits`` and ``--compute-ms`` on ``p`` (``iosched demo`` and
     ``iosched replay``), each help led by ``prefix`` (``"real I/O: "`` where the option applies
     to one mode only); ``default`` is ``--compute``'s."""
     p.add_argument("--compute", type=parse_compute, default=default, metavar="numpy|sleep:MS",
@@ -149,6 +155,11 @@ def add_compute_arguments(p: argparse.ArgumentParser, *, prefix: str = "",
     p.add_argument("--compute-on", choices=COMPUTE_ON, default=DEFAULT_COMPUTE_ON,
                    help=f"{prefix}where numpy compute runs: thread (a worker thread, the event "
                         f"loop stays free) or loop (on the event loop); default {DEFAULT_COMPUTE_ON}")
+    p.add_argument("--engine-awaits", choices=AWAITS, default=DEFAULT_AWAITS,
+                   help=f"{prefix}what the engine awaits before computing on a layer: as-ready "
+                        f"(iosched's acquire_as_ready: the experts at hand first, the others as "
+                        f"their reads land) or all (acquire_many); the hand-written arm always "
+                        f"awaits all; default {DEFAULT_AWAITS}")
     p.add_argument("--compute-ms", type=_command.non_negative_float, default=None,
                    help=f"{prefix}the same as --compute sleep:MS")
 
@@ -460,10 +471,13 @@ def _fallback(tensors: Any) -> float:
 class Compute:
     """One engine's compute: :meth:`layer` per batch, on its views, inside their lease."""
 
-    def __init__(self, spec: ComputeSpec = NUMPY, on: str = DEFAULT_COMPUTE_ON) -> None:
+    def __init__(self, spec: ComputeSpec = NUMPY, on: str = DEFAULT_COMPUTE_ON,
+                 awaits: str = DEFAULT_AWAITS) -> None:
         if on not in COMPUTE_ON:
             raise ValueError(f"compute on {on!r}: choose one of {', '.join(COMPUTE_ON)}")
-        self.spec, self.on = spec, on
+        if awaits not in AWAITS:
+            raise ValueError(f"engine awaits {awaits!r}: choose one of {', '.join(AWAITS)}")
+        self.spec, self.on, self.awaits = spec, on, awaits
         self.seconds = 0.0
         """Time spent computing (the layer calls themselves), summed."""
         self.fallbacks: set[str] = set()

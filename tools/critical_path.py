@@ -70,7 +70,7 @@ from iosched.backends.modelled import DriveModel, ModelledBackend
 
 from . import demo, engine_replay
 from ._replay_policies import HANDWRITTEN
-from .compute import DEFAULT_COMPUTE_ON, Compute, ComputeModel, ComputeSpec, calibrate
+from .compute import DEFAULT_AWAITS, DEFAULT_COMPUTE_ON, Compute, ComputeModel, ComputeSpec, calibrate
 from .trace import RouteTrace
 
 DEFAULT_DRIVE_MBPS = 1500.0
@@ -216,12 +216,12 @@ async def _one_run(folder: Path, trace: RouteTrace, policy: str, cycles: float, 
                    model: ComputeModel, bandwidth: float, latency: float, queue_depth: int | None,
                    max_tokens: int | None, expert_bytes: dict[int, int], layer_map: dict[int, int],
                    routing: bool, compute_on: str, read_cpu: float,
-                   lookahead_recall: float | None, burst: float) -> dict[str, Any]:
+                   lookahead_recall: float | None, burst: float, awaits: str = DEFAULT_AWAITS) -> dict[str, Any]:
     loop = clock.running_virtual_loop()
     if loop is None:
         raise StoreError("the critical-path replay runs on iosched.clock.VirtualTimeLoop")
     drive = DriveModel(bandwidth, latency, burst)
-    engine = Compute(ComputeSpec("model", model=model), compute_on)
+    engine = Compute(ComputeSpec("model", model=model), compute_on, awaits)
     engine.drive_busy = lambda: drive.busy_s
     backend = ModelledBackend(drive, cpu_per_read=read_cpu)
     async with await ExpertStore.open(folder, budget_bytes=budget, backend=backend, policy=policy,
@@ -267,7 +267,7 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                          on_run: Callable[[str], None] | None = None, routing: bool = True,
                          compute_on: str = DEFAULT_COMPUTE_ON, read_cpu: float | None = None,
                          backend: str = "odirect", lookahead_recall: float | None = None,
-                         burst: float = 0.0) -> dict[str, Any]:
+                         burst: float = 0.0, awaits: str = DEFAULT_AWAITS) -> dict[str, Any]:
     """Every policy at every budget, each run on a fresh virtual-time loop (module docstring).
     ``compute_model``: ``None`` calibrates it here (:func:`iosched.tools.compute.calibrate`).
     ``read_cpu``: the loop's CPU per read a real backend costs beyond the model; ``None``
@@ -304,13 +304,14 @@ def replay_critical_path(trace: RouteTrace, label: str, cycles: Sequence[float],
                 on_run(f"{name} @ {c:g} cycles")
             results.append(clock.run(_one_run(
                 ckpt, trace, name, c, budget, compute_model, bandwidth, latency, queue_depth,
-                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu, lookahead_recall, burst),
+                max_tokens, expert_bytes, layer_map, routing, compute_on, read_cpu, lookahead_recall, burst, awaits),
                 charge_cpu=charge_cpu, cpu_scale=scales[name]))
     return {
         "trace": label, "mode": "critical-path", "k": trace.k, "td_bytes": td,
         "trace_td_bytes": trace.td_bytes, "results": results, "checkpoint": str(ckpt),
         "source": trace.source, "model": trace.model, "arch": trace.arch,
         "compute": compute_model.label, "compute_calibrated": calibrated, "compute_on": compute_on,
+        "engine_awaits": awaits,
         "compute_io_calibrated_on": contend if calibrated else None,
         "cpu_scale": scales,
         "read_cpu_us": 1e6 * read_cpu, "read_cpu_measured_with": backend if read_cpu_measured and contend else None,

@@ -38,7 +38,7 @@ from iosched import ExpertKey, ExpertStore, ExpertView, RequestTally, StoreError
 from iosched.backends import resolve
 
 from ._replay_policies import HANDWRITTEN
-from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
+from .compute import DEFAULT_AWAITS, DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .synth import write_safetensors_moe
 from .trace import PHASE_DECODE, RouteTrace, load_bundled_trace
 
@@ -66,6 +66,8 @@ class DemoConfig:
     compute: ComputeSpec = NUMPY
     """The engine's compute per layer (``tools/compute.py``): real numpy by default."""
     compute_on: str = DEFAULT_COMPUTE_ON
+    awaits: str = DEFAULT_AWAITS
+    """What the engine awaits before computing on a layer (``tools/compute.py``, ``AWAITS``)."""
     compare: tuple[str, ...] = ("lru", HANDWRITTEN)
     """Arms run beside ``policy`` on the same trace and budget (``--compare``)."""
     rounds: int = 1
@@ -190,6 +192,8 @@ class EngineStore(Protocol):
 
     def acquire_many(self, keys: Iterable[ExpertKey]) -> AbstractAsyncContextManager[list[ExpertView]]: ...
 
+    # and, on an iosched store, ``acquire_as_ready`` (``lease_and_compute`` looks for it)
+
     @property
     def request_tally(self) -> RequestTally: ...
 
@@ -267,6 +271,46 @@ def _hit_counters(store: EngineStore) -> tuple[int, int]:
     return tally.requests, tally.hits + tally.single_flight_joins
 
 
+async def lease_and_compute(store: EngineStore, keys: list[ExpertKey], rows: list[int], compute: Compute,
+                            before_compute: Callable[[], None] | None = None) -> tuple[int, int]:
+    """One batch of the engine: lease the experts ``keys`` and run ``compute`` on them, each on
+    its ``rows`` (:func:`rows_per_expert`), inside their leases; ``before_compute()`` once the
+    leases are asked for, before the first compute (the engine's lookahead).  Returns the
+    batch's ``(requests, hits + single-flight joins)``.
+
+    ``compute.awaits`` says what the engine awaits: ``as-ready`` computes on each batch of
+    views ``acquire_as_ready`` hands over (the resident ones first) while the others load, on a
+    store that has it; ``all`` (and the hand-written arm, which a user writes around
+    ``os.pread``) awaits ``acquire_many``.  ``fresh`` tells a compute model how many of the
+    views it computes on were just read (misses; a join of a prefetch in flight counts as at
+    hand, as ``_hit_counters`` counts it)."""
+    r0, h0 = _hit_counters(store)
+    as_ready = getattr(store, "acquire_as_ready", None) if compute.awaits == "as-ready" else None
+    if as_ready is None:
+        async with store.acquire_many(keys) as views:
+            r1, h1 = _hit_counters(store)
+            if before_compute is not None:
+                before_compute()
+            await compute.layer(views, rows, fresh=(r1 - r0) - (h1 - h0))
+        return r1 - r0, h1 - h0
+    rows_of = dict(zip(keys, rows, strict=True))
+    tally0 = store.request_tally
+    async with as_ready(keys) as arrivals:
+        tally1 = store.request_tally
+        at_hand = tally1.hits - tally0.hits  # the first batch: resident on entry
+        misses = tally1.misses - tally0.misses
+        requests, found = tally1.requests - tally0.requests, at_hand + tally1.single_flight_joins - tally0.single_flight_joins
+        if before_compute is not None:
+            before_compute()
+        async for views in arrivals:
+            resident = min(len(views), at_hand)
+            fresh = min(len(views) - resident, misses)
+            at_hand -= resident
+            misses -= fresh
+            await compute.layer(views, [rows_of[v.key] for v in views], fresh=fresh)
+    return requests, found
+
+
 async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute | float,
                        max_tokens: int | None = None, on_token: Callable[[], None] | None = None,
                        expert_bytes: dict[int, int] | None = None,
@@ -327,22 +371,20 @@ async def drive_engine(store: EngineStore, trace: RouteTrace, compute: Compute |
                 on_token()
         elif not decode:
             prefill_batches += 1
-        r0, h0 = _hit_counters(store)
         ckpt_layer = layer if layer_map is None else layer_map[layer]
         rows = trace.routing.get(batch)
         if routing and rows is not None:  # a prompt's rows: what its router chose, per token
             store.observe_routing(ckpt_layer, rows)
         keys = experts.tolist()
         per_expert = rows_per_expert(keys, rows)
-        async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
-            r1, h1 = _hit_counters(store)
-            if lookahead is not None and decode and batch + 1 < len(batches):
-                nphase, _, nlayer, nexperts = batches[batch + 1]
-                if nphase == PHASE_DECODE:
-                    store.expect(nlayer if layer_map is None else layer_map[nlayer],
-                                 lookahead.probabilities(nexperts))
-            await compute.layer(views, per_expert, fresh=(r1 - r0) - (h1 - h0))  # misses: just read
-        n, h = r1 - r0, h1 - h0
+        expect: Callable[[], None] | None = None
+        if lookahead is not None and decode and batch + 1 < len(batches):
+            nphase, _, nlayer, nexperts = batches[batch + 1]
+            if nphase == PHASE_DECODE:
+                def expect(layer: int = nlayer if layer_map is None else layer_map[nlayer],
+                           nexperts: Any = nexperts, lookahead: SyntheticLookahead = lookahead) -> None:
+                    store.expect(layer, lookahead.probabilities(nexperts))
+        n, h = await lease_and_compute(store, [(ckpt_layer, e) for e in keys], per_expert, compute, expect)
         all_req += n
         all_hits += h
         req_bytes += n * sizes[layer]
@@ -370,7 +412,7 @@ async def _run_arm(config: DemoConfig, arm: str, trace: RouteTrace, folder: Path
     """One cold pass of the trace through one arm: an iosched policy, or ``handwritten``."""
     from .handwritten import HandwrittenEngineStore
 
-    compute = Compute(config.compute_spec(), config.compute_on)
+    compute = Compute(config.compute_spec(), config.compute_on, config.awaits)
     if config.cold:
         drop_from_page_cache(index.files)
     decode_start = time.perf_counter()

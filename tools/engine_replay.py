@@ -38,7 +38,7 @@ from iosched.backends.throttle import ThrottledBackend
 
 from . import demo
 from ._replay_policies import HANDWRITTEN, OFFLINE
-from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
+from .compute import DEFAULT_AWAITS, DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .handwritten import HandwrittenEngineStore
 from .trace import RouteTrace
 
@@ -67,9 +67,9 @@ async def _one_real_run(folder: Path, files: tuple[str, ...], trace: RouteTrace,
                         layer_map: dict[int, int], cold: bool, routing: bool = True,
                         compute_on: str = DEFAULT_COMPUTE_ON,
                         lookahead_recall: float | None = None,
-                        throttle_mbps: float | None = None) -> dict[str, Any]:
+                        throttle_mbps: float | None = None, awaits: str = DEFAULT_AWAITS) -> dict[str, Any]:
     spec = compute if isinstance(compute, ComputeSpec) else ComputeSpec("sleep", float(compute))
-    engine = Compute(spec, compute_on)
+    engine = Compute(spec, compute_on, awaits)
     if cold:
         await asyncio.to_thread(demo.drop_from_page_cache, files)
     try:
@@ -219,6 +219,7 @@ def result_row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRu
 async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
                       policies: Sequence[str], *, compute_ms: float | None = None,
                       compute: ComputeSpec | None = None, compute_on: str = DEFAULT_COMPUTE_ON,
+                      awaits: str = DEFAULT_AWAITS,
                       backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                       folder: Path | None = None, scale: int = demo.SCALE,
                       on_run: Callable[[str], None] | None = None,
@@ -258,7 +259,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
             results.append(await _one_real_run(
                 ckpt, index.files, trace, name, c, budget, spec, backend,
                 max_tokens, expert_bytes, layer_map, cold, routing, compute_on, lookahead_recall,
-                throttle_mbps))
+                throttle_mbps, awaits))
     return {
         "trace": label,
         "mode": "real",
@@ -272,7 +273,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
         "arch": trace.arch,
         "compute_ms": 1e3 * spec.sleep_s if spec.kind == "sleep" else None,
         "compute": spec.label,
-        "compute_on": compute_on if spec.kind == "numpy" else None,
+        "compute_on": compute_on if spec.kind == "numpy" else None, "engine_awaits": awaits,
         "backend": backend,
         "cold": cold,
         "tokens": max_tokens if max_tokens is not None else trace.n_decode_tokens(),

@@ -62,7 +62,7 @@ from iosched.backends import resolve
 
 from . import demo, engine_replay
 from ._replay_policies import HANDWRITTEN
-from .compute import DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
+from .compute import DEFAULT_AWAITS, DEFAULT_COMPUTE_ON, NUMPY, Compute, ComputeSpec
 from .handwritten import HandwrittenEngineStore
 from .trace import PHASE_DECODE, RouteTrace
 
@@ -102,8 +102,8 @@ async def play_group(store: Any, trace: RouteTrace, group: Group, decode: bool, 
         if rows is not None:
             store.observe_routing(ckpt_layer, rows)
         keys = experts.tolist()
-        async with store.acquire_many([(ckpt_layer, e) for e in keys]) as views:
-            await compute.layer(views, demo.rows_per_expert(keys, rows))
+        await demo.lease_and_compute(store, [(ckpt_layer, e) for e in keys], demo.rows_per_expert(keys, rows),
+                                     compute)
 
 
 def arm_copies(ckpt: Path, n: int) -> list[Path]:
@@ -191,6 +191,7 @@ description."""
 
 async def interleave(trace: RouteTrace, checkpoints: Sequence[tuple[Path, CheckpointIndex]],
                      policies: Sequence[str], budget: int, *, spec: ComputeSpec, compute_on: str,
+                     awaits: str = DEFAULT_AWAITS,
                      backend: str, max_tokens: int | None, layer_map: dict[int, int], load: bool,
                      cold: bool, on_run: Callable[[str], None] | None = None) -> Interleaved:
     """Every arm of ``policies`` at ``budget``, arm ``i`` on the checkpoint ``checkpoints[i]``
@@ -210,7 +211,7 @@ async def interleave(trace: RouteTrace, checkpoints: Sequence[tuple[Path, Checkp
     for _, g in groups:
         starts.append(n)
         n += len(g)
-    engine = Compute(spec, compute_on)
+    engine = Compute(spec, compute_on, awaits)
     arms = [Arm(name) for name in policies]
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(engine.close)
@@ -288,7 +289,7 @@ def paired_rows(arms: Sequence[Arm], stats: dict[str, dict[str, Any]], cycles: f
 
 async def replay_paired(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Sequence[str], *,
                         compute: ComputeSpec | None = None, compute_on: str = DEFAULT_COMPUTE_ON,
-                        backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
+                        awaits: str = DEFAULT_AWAITS, backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
                         folder: Path | None = None, scale: int = demo.SCALE, copies: bool = False,
                         on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every arm of ``policies`` (iosched policies, or ``handwritten``), cold, interleaved
@@ -318,12 +319,12 @@ async def replay_paired(trace: RouteTrace, label: str, cycles: Sequence[float], 
         if on_run is not None:
             on_run(f"{c:g} token cycles")
         arms, stats, describe = await interleave(
-            trace, checkpoints, policies, budget, spec=spec, compute_on=compute_on, backend=backend,
+            trace, checkpoints, policies, budget, spec=spec, compute_on=compute_on, awaits=awaits, backend=backend,
             max_tokens=max_tokens, layer_map=layer_map, load=False, cold=cold, on_run=on_run)
         rows.extend(paired_rows(arms, stats, c, budget))
     return {"trace": label, "mode": "paired", "reference": policies[0], "k": trace.k, "td_bytes": td,
             "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on,
-            "backend": backend, "cold": cold, "paired": True, "copies": [str(f) for f, _ in checkpoints],
+            "engine_awaits": awaits, "backend": backend, "cold": cold, "paired": True, "copies": [str(f) for f, _ in checkpoints],
             "tokens": rows[0]["tokens"] if rows else 0, "results": rows, **describe}
 
 

@@ -907,7 +907,7 @@ def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace, args.expert_bytes)
     with run_progress("replay --resident", 1 + len(policies)) as on_run:
         out: dict[str, Any] = _runner.run(lambda: resident_bench.replay_resident(
-            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits,
             backend=args.backend, max_tokens=args.tokens, scale=args.scale, on_run=on_run))
     if not args.json:
         _print_table(resident_bench.resident_table(out))
@@ -926,7 +926,7 @@ def _cmd_paired(args: argparse.Namespace) -> dict[str, Any]:
              else settings.override(prefetch_width=args.prefetch_width))
     with run_progress("replay --paired", 1 + len(cycles) * (2 + len(policies))) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: paired_bench.replay_paired(
-            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
             copies=args.copies, on_run=on_run))
     if not args.json:
@@ -957,7 +957,7 @@ def _cmd_real(args: argparse.Namespace) -> dict[str, Any]:
     with run_progress("replay", runs) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: engine_replay.replay_real(
             trace, args.trace, cycles, policies, compute_ms=args.compute_ms,
-            compute=args.compute, compute_on=args.compute_on,
+            compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
             on_run=on_run, auto=getattr(args, "auto_budget", False),
             routing=not getattr(args, "keys_only", False),
@@ -994,6 +994,7 @@ def _cmd_critical_path(args: argparse.Namespace) -> dict[str, Any]:
             latency=latency, drive_facts=facts, queue_depth=args.queue_depth, charge_cpu=args.cpu == "measured",
             max_tokens=args.tokens, scale=args.scale, on_run=on_run,
             routing=not getattr(args, "keys_only", False), compute_on=args.compute_on,
+            awaits=args.engine_awaits,
             read_cpu=None if args.read_cpu_us is None else args.read_cpu_us / 1e6,
             backend="odirect" if args.backend == "auto" else args.backend,
             lookahead_recall=args.lookahead_recall, burst=args.drive_burst_ms / 1e3)

@@ -33,13 +33,14 @@ from iosched import StoreError, load_index
 
 from . import demo, engine_replay
 from ._replay_policies import HANDWRITTEN
-from .compute import DEFAULT_COMPUTE_ON, NUMPY, ComputeSpec
+from .compute import DEFAULT_AWAITS, DEFAULT_COMPUTE_ON, NUMPY, ComputeSpec
 from .paired_bench import interleave
 from .trace import RouteTrace
 
 
 async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, policies: Sequence[str], *,
                           compute: ComputeSpec | None = None, compute_on: str = DEFAULT_COMPUTE_ON,
+                          awaits: str = DEFAULT_AWAITS,
                           backend: str = "auto", max_tokens: int | None = None,
                           folder: Path | None = None, scale: int = demo.SCALE,
                           on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -62,7 +63,7 @@ async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, p
         budget = max(1, int(cycles * td))
         engine_replay.require_holds(budget, cycles, index, ckpt, td)
     arms, stats, describe = await interleave(
-        trace, [(ckpt, index)] * len(policies), policies, budget, spec=spec, compute_on=compute_on, backend=backend,
+        trace, [(ckpt, index)] * len(policies), policies, budget, spec=spec, compute_on=compute_on, awaits=awaits, backend=backend,
         max_tokens=max_tokens, layer_map=layer_map, load=True, cold=False, on_run=on_run)
     ref = arms[0].times
     rows = []
@@ -84,7 +85,7 @@ async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, p
             "backend": s["backend"],
         })
     return {"trace": label, "mode": "resident", "reference": policies[0], "k": trace.k, "td_bytes": td,
-            "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on,
+            "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on, "engine_awaits": awaits,
             "backend": backend, "tokens": len(ref), "results": rows, "resident": True,
             **describe}
 

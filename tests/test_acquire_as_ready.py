@@ -1,0 +1,314 @@
+"""``acquire_as_ready``: a layer's experts handed over as they become resident, every lease
+held until the group exits, never one leaked, the felt wait only what the engine awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from iosched import ExpertStore, ExpertView, ReadError, UnknownExpertError
+from iosched.backends import Caps
+from iosched.backends.pread import PreadBackend
+from tests._wrappers import GatedBackend
+from tests.conftest import EXPERTS, LAYERS
+from tests.test_store import expected_bytes
+
+pytestmark = pytest.mark.asyncio
+
+
+class HeldReads:
+    """A real ``pread`` backend whose every read waits until the test lets that read's
+    offset go (:meth:`release`), so loads land in the order the test chooses."""
+
+    name: ClassVar[str] = "pread"
+    caps: ClassVar[Caps] = Caps.NONE
+
+    def __init__(self) -> None:
+        self.inner = PreadBackend(threads=4)
+        self.open_all = asyncio.Event()
+        self.released: set[tuple[int, int]] = set()
+        self.changed = asyncio.Event()
+        self.waiting: set[tuple[int, int]] = set()
+
+    def open(self, paths: Sequence[str]) -> None:
+        self.inner.open(paths)
+
+    def alignment(self, file: int) -> int:
+        return self.inner.alignment(file)
+
+    def release(self, file: int, offset: int) -> None:
+        self.released.add((file, offset))
+        self.changed.set()
+
+    async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
+        self.waiting.add((file, offset))
+        while not self.open_all.is_set() and (file, offset) not in self.released:
+            self.changed.clear()
+            await self.changed.wait()
+        self.waiting.discard((file, offset))
+        return await self.inner.read(file, offset, length, buf)
+
+    def info(self) -> dict[str, Any]:
+        return self.inner.info()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _release(store: ExpertStore, backend: HeldReads, key: tuple[int, int]) -> None:
+    for extent in store.index.experts[key].extents:
+        backend.release(extent.file, extent.offset)
+
+
+async def _loaded(store: ExpertStore, n: int) -> None:
+    """Until ``n`` loads are in flight (or none, ``n == 0``)."""
+    for _ in range(5000):
+        loading = store.stats()["loading"]
+        if loading == n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{store.stats()['loading']} loads in flight, waited for {n}")
+
+
+def _check(store: ExpertStore, views: list[ExpertView]) -> list[tuple[int, int]]:
+    for view in views:
+        assert view.data.tobytes() == expected_bytes(store.index, view.key)
+    return [view.key for view in views]
+
+
+async def test_resident_first_then_each_load_as_it_lands(st_checkpoint: Path) -> None:
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.open_all.set()
+        async with store.acquire((0, 0)):
+            pass
+        backend.open_all.clear()
+        async with store.acquire_as_ready([(0, 1), (0, 0), (0, 2)]) as arrivals:
+            batches = aiter(arrivals)
+            assert _check(store, await anext(batches)) == [(0, 0)]  # resident: no read needed
+            assert store.stats()["loading"] == 2 and store.stats()["leased"] == 1
+            _release(store, backend, (0, 2))
+            assert _check(store, await anext(batches)) == [(0, 2)]
+            assert store.stats()["leased"] == 2  # (0, 0) stays leased: every lease until exit
+            _release(store, backend, (0, 1))
+            assert _check(store, await anext(batches)) == [(0, 1)]
+            with pytest.raises(StopAsyncIteration):
+                await anext(batches)
+            assert store.stats()["leased"] == 3
+        s = store.stats()
+        assert s["leased"] == 0 and (s["requests"], s["hits"], s["misses"]) == (4, 1, 3)
+        store.check_invariants()
+
+
+async def test_loads_that_landed_meanwhile_come_in_one_batch_without_felt_wait(st_checkpoint: Path) -> None:
+    """The felt wait is the engine's awaits of the iteration only: loads that land while the
+    engine computes cost it nothing, and come together in the next batch."""
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.open_all.set()
+        async with store.acquire((1, 0)):
+            pass
+        backend.open_all.clear()
+        felt = store.request_tally.felt_wait_s
+        keys = [(1, 0), (1, 1), (1, 2), (1, 3)]
+        async with store.acquire_as_ready(keys) as arrivals:
+            got = []
+            async for views in arrivals:
+                got.append(_check(store, views))
+                if len(got) == 1:  # "compute" on the first batch while the three load
+                    await asyncio.sleep(0.02)
+                    backend.open_all.set()
+                    backend.changed.set()
+                    await _loaded(store, 0)
+            assert got == [[(1, 0)], [(1, 1), (1, 2), (1, 3)]]
+        assert store.request_tally.felt_wait_s == felt  # nothing was awaited
+        assert store.stats()["leased"] == 0
+
+
+async def test_all_missing_the_first_batch_is_awaited_and_felt(st_checkpoint: Path) -> None:
+    backend = GatedBackend()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        async with store.acquire_as_ready([(2, 1), (2, 2)]) as arrivals:
+            async def opener() -> None:
+                await asyncio.sleep(0.02)
+                backend.gate.set()
+
+            task = asyncio.create_task(opener())
+            keys = [key for views in [v async for v in arrivals] for key in _check(store, views)]
+            await task
+        assert sorted(keys) == [(2, 1), (2, 2)]
+        assert store.request_tally.felt_wait_s >= 0.015
+        assert store.stats()["leased"] == 0
+
+
+async def test_unknown_key_takes_no_lease(st_checkpoint: Path) -> None:
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20) as store:
+        with pytest.raises(UnknownExpertError, match=str(LAYERS)):
+            async with store.acquire_as_ready([(0, 0), (LAYERS, 1)]):
+                pytest.fail("the group must not be entered")
+        s = store.stats()
+        assert s["leased"] == 0 and s["requests"] == 0 and s["loading"] == 0
+
+
+async def test_a_failed_load_is_raised_and_the_others_still_come(st_copy: Path) -> None:
+    async with await ExpertStore.open(st_copy, budget_bytes=1 << 20, policy="lru") as store:
+        bad = (LAYERS - 1, EXPERTS - 1)
+        layout = store.index.experts[bad]
+        path = store.index.files[layout.extents[0].file]
+        good = [k for k, lay in store.index.experts.items()
+                if store.index.files[lay.extents[0].file] != path][:3]
+        original = Path(path).read_bytes()
+        os.truncate(path, layout.extents[0].offset)
+        got: list[tuple[int, int]] = []
+        errors: list[ReadError] = []
+        try:
+            async with store.acquire_as_ready([*good, bad]) as arrivals:
+                batches = aiter(arrivals)
+                while True:
+                    try:
+                        got += _check(store, await anext(batches))
+                    except StopAsyncIteration:
+                        break
+                    except ReadError as exc:  # named, and the iteration goes on
+                        errors.append(exc)
+        finally:
+            Path(path).write_bytes(original)
+        assert sorted(got) == sorted(good)
+        assert len(errors) == 1 and Path(path).name in str(errors[0])
+        s = store.stats()
+        assert s["leased"] == 0 and s["loading"] == 0
+        assert s["resident_bytes"] == sum(store.index.experts[k].nbytes for k in good)
+        store.check_invariants()
+        async with store.acquire(bad) as view:  # the store serves the key once the file is whole
+            assert view.data.tobytes() == expected_bytes(store.index, bad)
+
+
+async def test_leaving_before_the_last_batch_gives_up_the_loads_and_leaks_nothing(st_checkpoint: Path) -> None:
+    backend = GatedBackend()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.gate.set()
+        async with store.acquire((3, 0)):
+            pass
+        backend.gate.clear()
+        async with store.acquire_as_ready([(3, 0), (3, 1), (3, 2)]) as arrivals:
+            async for views in arrivals:
+                assert _check(store, views) == [(3, 0)]
+                break
+        assert store.stats()["leased"] == 0 and store.stats()["loading"] == 2
+        backend.gate.set()
+        await _loaded(store, 0)
+        s = store.stats()
+        assert s["leased"] == 0 and s["resident_experts"] == 3  # the loads went on
+        store.check_invariants()
+
+
+async def test_cancelled_while_awaiting_leaks_nothing(st_checkpoint: Path) -> None:
+    backend = GatedBackend()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.gate.set()
+        async with store.acquire((2, 0)):
+            pass
+        backend.gate.clear()
+        seen: list[tuple[int, int]] = []
+
+        async def engine() -> None:
+            async with store.acquire_as_ready([(2, 0), (2, 3), (2, 4)]) as arrivals:
+                async for views in arrivals:
+                    seen.extend(_check(store, views))
+
+        task = asyncio.create_task(engine())
+        await _loaded(store, 2)
+        while not seen:
+            await asyncio.sleep(0.001)
+        assert store.stats()["leased"] == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen == [(2, 0)] and store.stats()["leased"] == 0
+        backend.gate.set()
+        await _loaded(store, 0)
+        assert store.stats()["leased"] == 0 and store.stats()["resident_experts"] == 3
+        store.check_invariants()
+
+
+async def test_counts_are_those_of_acquire_many(st_checkpoint: Path) -> None:
+    """Duplicates join the load the first started; a prefetch in flight is joined and
+    promoted; a duplicate comes as a view of its own."""
+    backend = GatedBackend()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.gate.set()
+        async with store.acquire((0, 0)):
+            pass
+        backend.gate.clear()
+        assert store.prefetch([(0, 3)]) == 1
+        keys = [(0, 1), (0, 1), (0, 2), (0, 0), (0, 3)]
+        async with store.acquire_as_ready(keys) as arrivals:
+            backend.gate.set()
+            got = [key for views in [v async for v in arrivals] for key in _check(store, views)]
+            assert store.stats()["leased"] == 4  # entries: (0, 1) holds two leases
+        assert got[0] == (0, 0) and sorted(got) == sorted(keys)
+        s = store.stats()
+        assert (s["requests"], s["hits"], s["misses"], s["single_flight_joins"]) == (6, 1, 3, 2)
+        assert s["leased"] == 0 and s["prefetch_used"] == 1 and s["prefetch_promoted"] == 1
+        store.check_invariants()
+
+
+async def test_a_member_without_room_comes_once_a_lease_ends(st_checkpoint: Path) -> None:
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="lru") as store:
+        size = store.index.experts[(1, 0)].nbytes
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=3 * size, policy="lru") as store:
+        await store.acquire((1, 0)).__aenter__()  # held to the end
+        held = store.acquire((1, 1))
+        await held.__aenter__()
+        async with store.acquire_as_ready([(1, 2), (1, 3)]) as arrivals:
+            batches = aiter(arrivals)
+            assert _check(store, await anext(batches)) == [(1, 2)]  # (1, 3) has no room yet
+            waiting = asyncio.ensure_future(anext(batches))
+            for _ in range(20):
+                await asyncio.sleep(0.002)
+            assert not waiting.done()
+            await held.__aexit__(None, None, None)
+            assert _check(store, await waiting) == [(1, 3)]
+        s = store.stats()
+        assert s["leased"] == 1 and s["misses"] == 4
+        store.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["moe", "earned"])
+async def test_a_policy_weighing_each_wait_gets_every_acquire(st_checkpoint: Path, policy: str) -> None:
+    """Policies with ``on_wait`` wait per acquire (a task each); the group counts them all on
+    entry, hands every one over, and leaks nothing."""
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy=policy,
+                                      experts_per_token=2) as store:
+        async with store.acquire((3, 0)):
+            pass
+        keys = [(3, 0), (3, 1), (3, 2)]
+        before = store.request_tally
+        async with store.acquire_as_ready(keys) as arrivals:
+            after = store.request_tally
+            assert after.requests - before.requests == 3  # all counted before the first await
+            got = [key for views in [v async for v in arrivals] for key in _check(store, views)]
+        assert got[0] == (3, 0) and sorted(got) == keys
+        assert store.stats()["leased"] == 0
+        store.check_invariants()
+
+
+async def test_entered_twice_is_refused(st_checkpoint: Path) -> None:
+    from iosched import StoreError
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20) as store:
+        group = store.acquire_as_ready([(0, 0)])
+        async with group:
+            with pytest.raises(StoreError, match="twice"):
+                await group.__aenter__()
+        assert store.stats()["leased"] == 0
