@@ -60,6 +60,12 @@ class HeldReads:
         self.inner.close()
 
 
+def _open(backend: HeldReads) -> None:
+    """Let every read through, now and from now on."""
+    backend.open_all.set()
+    backend.changed.set()
+
+
 def _release(store: ExpertStore, backend: HeldReads, key: tuple[int, int]) -> None:
     for extent in store.index.experts[key].extents:
         backend.release(extent.file, extent.offset)
@@ -103,6 +109,67 @@ async def test_resident_first_then_each_load_as_it_lands(st_checkpoint: Path) ->
             assert store.stats()["leased"] == 3
         s = store.stats()
         assert s["leased"] == 0 and (s["requests"], s["hits"], s["misses"]) == (4, 1, 3)
+        store.check_invariants()
+
+
+async def test_the_misses_are_read_before_the_engine_computes_on_the_loop(st_checkpoint: Path) -> None:
+    """An engine that computes on the event loop gets the experts at hand only once the
+    misses' reads were handed to the backend: its compute then runs beside those reads, not
+    before them (without the group's turn of the loop, the loads' tasks would start at the
+    engine's next await)."""
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.open_all.set()
+        async with store.acquire((3, 0)):
+            pass
+        backend.open_all.clear()
+        missed = [(3, 1), (3, 2)]
+        wanted = {(e.file, e.offset) for key in missed for e in store.index.experts[key].extents}
+        try:
+            async with store.acquire_as_ready([(3, 0), *missed]) as arrivals:
+                assert backend.waiting == wanted  # submitted, though the engine has not awaited
+                batches = aiter(arrivals)
+                assert _check(store, await anext(batches)) == [(3, 0)]
+                _open(backend)
+                got = sorted(key for views in [v async for v in batches] for key in _check(store, views))
+                assert got == missed
+        finally:
+            _open(backend)  # else a failed assertion leaves close() waiting for held reads
+        assert store.stats()["leased"] == 0
+
+
+async def test_cancelled_while_the_misses_start_no_lease_leaks(st_checkpoint: Path) -> None:
+    """Cancelled at the group's turn of the loop on entry: no lease is kept, and the loads it
+    started go on and publish."""
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="lru") as store:
+        backend.open_all.set()
+        async with store.acquire((3, 0)):
+            pass
+        backend.open_all.clear()
+
+        async def engine() -> None:
+            async with store.acquire_as_ready([(3, 0), (3, 3)]):
+                pytest.fail("the group must not be entered")
+
+        task = asyncio.create_task(engine())
+        try:
+            await asyncio.sleep(0)  # the task is now at the group's turn of the loop
+            assert store.stats()["loading"] == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert store.stats()["leased"] == 0
+        finally:
+            _open(backend)
+        await _loaded(store, 0)
+        assert store.stats()["resident_experts"] >= 2
+        async with store.acquire((3, 3)) as view:  # published: a hit now
+            _check(store, [view])
+        s = store.stats()
+        assert s["leased"] == 0 and s["misses"] == 2  # (3, 0) and (3, 3), each once
         store.check_invariants()
 
 
