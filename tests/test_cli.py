@@ -74,7 +74,7 @@ def test_hitpath_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     row = out["loops"]["asyncio"]
     for key in ("median_us", "p90_us", "group_of_k_median_us", "group_awaited_median_us",
-                "between_median_us"):
+                "between_median_us", "as_ready_awaited_median_us"):
         assert row[key] > 0, key
 
 

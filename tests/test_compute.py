@@ -222,3 +222,40 @@ def test_drive_engine_still_takes_seconds(tmp_path: Path) -> None:
 
     run = asyncio.run(go())
     assert run.tokens == 2 and run.decode_compute_s >= 0
+
+
+class _RecordingCompute(compute.Compute):
+    """The real compute, recording each batch's experts and its share of the layer."""
+
+    def __init__(self) -> None:
+        super().__init__(compute.ComputeSpec("sleep", sleep_s=0.0), awaits="as-ready")
+        self.batches: list[tuple[list[tuple[int, int]], float]] = []
+
+    async def layer(self, views: Any, rows: Any, fresh: int = 0, share: float = 1.0) -> None:
+        self.batches.append(([v.key for v in views], share))
+        await super().layer(views, rows, fresh, share)
+
+
+@pytest.mark.asyncio
+async def test_a_layer_computed_in_batches_pays_its_fixed_cost_once(st_checkpoint: Path) -> None:
+    """With ``acquire_as_ready`` a layer is computed in several batches; each is told its share
+    of the layer (its experts over the layer's), so the emulated sleep and a model's fixed cost
+    per layer add up to one layer's, not one per batch."""
+    from iosched.tools import demo
+
+    engine = _RecordingCompute()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend="pread", policy="lru") as store:
+        async with store.acquire((0, 0)):
+            pass
+        keys = [(0, 0), (0, 1), (0, 2), (0, 3)]
+        requests, found = await demo.lease_and_compute(store, keys, [1] * 4, engine)
+    assert (requests, found) == (4, 1)
+    assert len(engine.batches) >= 2 and engine.batches[0] == ([(0, 0)], 0.25)
+    assert sorted(k for ks, _ in engine.batches for k in ks) == keys
+    assert sum(share for _, share in engine.batches) == pytest.approx(1.0)
+    for ks, share in engine.batches:
+        assert share == pytest.approx(len(ks) / len(keys))
+    model = compute.ComputeModel(fixed_s=0.004, per_byte_s=1e-9)
+    whole = model.seconds([1000] * 4, [1] * 4)
+    parts = model.seconds([1000], [1], share=0.25) + model.seconds([1000] * 3, [1] * 3, share=0.75)
+    assert parts == pytest.approx(whole)

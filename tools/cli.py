@@ -113,7 +113,8 @@ def _cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise StoreError("give --compute or --compute-ms (the same as --compute sleep:MS), not both")
     config = DemoConfig(
         trace=args.trace, budget_cycles=args.budget_cycles, compute_ms=args.compute_ms,
-        compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits, compare=compare, rounds=args.rounds,
+        compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits, compare=compare,
+        rounds=args.rounds,
         backend=args.backend, policy=args.policy, cold=not args.warm, max_tokens=args.tokens,
         scale=args.scale, telemetry=args.telemetry,
     )
@@ -145,7 +146,8 @@ def _cmd_hitpath(args: argparse.Namespace) -> dict[str, Any]:
                           f"acquire_many of {out['k']}: {row['group_of_k_median_us']:.2f} µs; "
                           f"with an await between layers, as an engine: "
                           f"{row['group_awaited_median_us']:.2f} µs (the await: "
-                          f"{row['between_median_us']:.2f} µs)")
+                          f"{row['between_median_us']:.2f} µs); acquire_as_ready so: "
+                          f"{row['as_ready_awaited_median_us']:.2f} µs")
     return out
 
 

@@ -91,12 +91,16 @@ class ComputeModel:
     576 KiB bf16 experts read with O_DIRECT and computed at once took 1.4-2.8x as long.
     Applied to the layer's share of such experts (its misses)."""
 
-    def seconds(self, nbytes: Sequence[int], rows: Sequence[int], busy: float = 0.0, fresh: int = 0) -> float:
-        t = self.fixed_s
+    def seconds(self, nbytes: Sequence[int], rows: Sequence[int], busy: float = 0.0, fresh: int = 0,
+                share: float = 1.0) -> float:
+        """The compute of ``nbytes``' experts, ``share`` of their layer's (a batch of an
+        ``acquire_as_ready`` layer pays that share of the layer's fixed cost, so that a layer
+        computed in three batches costs what it costs in one)."""
+        t = self.fixed_s * share
         for b, r in zip(nbytes, rows, strict=True):
             t += (self.per_byte_s + self.per_byte_row_s * max(r, 1)) * b
-        share = min(1.0, fresh / len(nbytes)) if nbytes else 0.0
-        return t * (1.0 + self.io_slowdown * min(1.0, max(0.0, busy))) * (1.0 + self.fresh_slowdown * share)
+        fresh_share = min(1.0, fresh / len(nbytes)) if nbytes else 0.0
+        return t * (1.0 + self.io_slowdown * min(1.0, max(0.0, busy))) * (1.0 + self.fresh_slowdown * fresh_share)
 
     @property
     def label(self) -> str:
@@ -538,11 +542,14 @@ class Compute:
         self.seconds += time.perf_counter() - t0
         return total
 
-    async def layer(self, views: Sequence[ExpertView], rows: Sequence[int], fresh: int = 0) -> None:
-        """This batch's compute, where :attr:`on` says (``sleep``: the emulation)."""
+    async def layer(self, views: Sequence[ExpertView], rows: Sequence[int], fresh: int = 0,
+                    share: float = 1.0) -> None:
+        """This batch's compute, where :attr:`on` says (``sleep``: the emulation).  ``share``:
+        the part of its layer the batch is (its experts over the layer's), for what is a
+        layer's cost in the emulation and the model: the sleep, the model's fixed cost."""
         if self.spec.kind == "sleep":
             t0 = clock.now()
-            await asyncio.sleep(self.spec.sleep_s)
+            await asyncio.sleep(self.spec.sleep_s * share)
             self.seconds += clock.now() - t0
         elif self.spec.kind == "model" and self.spec.model is not None:
             t0 = clock.now()
@@ -554,7 +561,7 @@ class Compute:
                     busy = (busy_s - mark_busy) / (now - mark_t)
                 self._busy_mark = (now, busy_s)
             sizes = [v.data.nbytes for v in views]
-            seconds = self.spec.model.seconds(sizes, rows, busy, fresh)
+            seconds = self.spec.model.seconds(sizes, rows, busy, fresh, share)
             virtual = clock.running_virtual_loop()
             if virtual is not None and self.pollute:
                 with virtual.uncharged():

@@ -299,7 +299,8 @@ async def lease_and_compute(store: EngineStore, keys: list[ExpertKey], rows: lis
         tally1 = store.request_tally
         at_hand = tally1.hits - tally0.hits  # the first batch: resident on entry
         misses = tally1.misses - tally0.misses
-        requests, found = tally1.requests - tally0.requests, at_hand + tally1.single_flight_joins - tally0.single_flight_joins
+        requests = tally1.requests - tally0.requests
+        found = at_hand + tally1.single_flight_joins - tally0.single_flight_joins
         if before_compute is not None:
             before_compute()
         async for views in arrivals:
@@ -307,7 +308,7 @@ async def lease_and_compute(store: EngineStore, keys: list[ExpertKey], rows: lis
             fresh = min(len(views) - resident, misses)
             at_hand -= resident
             misses -= fresh
-            await compute.layer(views, [rows_of[v.key] for v in views], fresh=fresh)
+            await compute.layer(views, [rows_of[v.key] for v in views], fresh=fresh, share=len(views) / len(keys))
     return requests, found
 
 

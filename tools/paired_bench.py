@@ -289,7 +289,8 @@ def paired_rows(arms: Sequence[Arm], stats: dict[str, dict[str, Any]], cycles: f
 
 async def replay_paired(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Sequence[str], *,
                         compute: ComputeSpec | None = None, compute_on: str = DEFAULT_COMPUTE_ON,
-                        awaits: str = DEFAULT_AWAITS, backend: str = "auto", max_tokens: int | None = None, cold: bool = True,
+                        awaits: str = DEFAULT_AWAITS, backend: str = "auto", max_tokens: int | None = None,
+                        cold: bool = True,
                         folder: Path | None = None, scale: int = demo.SCALE, copies: bool = False,
                         on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every arm of ``policies`` (iosched policies, or ``handwritten``), cold, interleaved
@@ -324,7 +325,8 @@ async def replay_paired(trace: RouteTrace, label: str, cycles: Sequence[float], 
         rows.extend(paired_rows(arms, stats, c, budget))
     return {"trace": label, "mode": "paired", "reference": policies[0], "k": trace.k, "td_bytes": td,
             "checkpoint": str(ckpt), "compute": spec.label, "compute_on": compute_on,
-            "engine_awaits": awaits, "backend": backend, "cold": cold, "paired": True, "copies": [str(f) for f, _ in checkpoints],
+            "engine_awaits": awaits, "backend": backend, "cold": cold, "paired": True,
+            "copies": [str(f) for f, _ in checkpoints],
             "tokens": rows[0]["tokens"] if rows else 0, "results": rows, **describe}
 
 

@@ -907,7 +907,8 @@ def _cmd_resident(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace, args.expert_bytes)
     with run_progress("replay --resident", 1 + len(policies)) as on_run:
         out: dict[str, Any] = _runner.run(lambda: resident_bench.replay_resident(
-            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits,
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            awaits=args.engine_awaits,
             backend=args.backend, max_tokens=args.tokens, scale=args.scale, on_run=on_run))
     if not args.json:
         _print_table(resident_bench.resident_table(out))
@@ -926,7 +927,8 @@ def _cmd_paired(args: argparse.Namespace) -> dict[str, Any]:
              else settings.override(prefetch_width=args.prefetch_width))
     with run_progress("replay --paired", 1 + len(cycles) * (2 + len(policies))) as on_run, width:
         out: dict[str, Any] = _runner.run(lambda: paired_bench.replay_paired(
-            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on, awaits=args.engine_awaits,
+            trace, args.trace, cycles, policies, compute=args.compute, compute_on=args.compute_on,
+            awaits=args.engine_awaits,
             backend=args.backend, max_tokens=args.tokens, cold=not args.warm, scale=args.scale,
             copies=args.copies, on_run=on_run))
     if not args.json:

@@ -63,7 +63,8 @@ async def replay_resident(trace: RouteTrace, label: str, cycles: float | None, p
         budget = max(1, int(cycles * td))
         engine_replay.require_holds(budget, cycles, index, ckpt, td)
     arms, stats, describe = await interleave(
-        trace, [(ckpt, index)] * len(policies), policies, budget, spec=spec, compute_on=compute_on, awaits=awaits, backend=backend,
+        trace, [(ckpt, index)] * len(policies), policies, budget, spec=spec, compute_on=compute_on, awaits=awaits,
+        backend=backend,
         max_tokens=max_tokens, layer_map=layer_map, load=True, cold=False, on_run=on_run)
     ref = arms[0].times
     rows = []
