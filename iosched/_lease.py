@@ -179,7 +179,9 @@ class ArrivalGroup:
     ``__anext__`` after the batch that held the others finished with it; iterating on yields
     the rest.  The policy's batch-end work is scheduled on entry, once every load of the group
     started, and runs at the engine's next await (its compute in a thread, or its wait for
-    the next batch).  The felt wait counts only the awaits of ``__anext__``.
+    the next batch).  The felt wait counts only the awaits of ``__anext__``.  Entering yields
+    to the loop once when some experts are at hand and others missed, so that their reads are
+    submitted before an engine that computes on the loop starts on the first batch.
 
     Why: ``acquire_many`` holds the engine until a layer's slowest read is in, with every
     resident expert of that layer ready to compute.  Computing those meanwhile takes the reads
