@@ -229,12 +229,7 @@ class ArrivalGroup:
                     # else the engine's first ``__anext__`` awaits at once.
                     await asyncio.sleep(0)
             except BaseException:
-                group, self._group = self._group, None
-                try:
-                    if group is not None:
-                        await group.abandon()
-                finally:
-                    self._release()
+                await self._abandon()
                 raise
         self._first = first
         source.batch_done()
@@ -272,6 +267,10 @@ class ArrivalGroup:
         return views
 
     async def __aexit__(self, *exc_info: object) -> None:
+        await self._abandon()
+
+    async def _abandon(self) -> None:
+        """Give up the loads not collected (they go on) and release every lease held."""
         group, self._group = self._group, None
         try:
             if group is not None:

@@ -66,6 +66,14 @@ def _open(backend: HeldReads) -> None:
     backend.changed.set()
 
 
+async def _make_resident(store: ExpertStore, backend: HeldReads, key: tuple[int, int]) -> None:
+    """Load ``key`` with every read let through, then hold the reads again."""
+    backend.open_all.set()
+    async with store.acquire(key):
+        pass
+    backend.open_all.clear()
+
+
 def _release(store: ExpertStore, backend: HeldReads, key: tuple[int, int]) -> None:
     for extent in store.index.experts[key].extents:
         backend.release(extent.file, extent.offset)
@@ -91,10 +99,7 @@ async def test_resident_first_then_each_load_as_it_lands(st_checkpoint: Path) ->
     backend = HeldReads()
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
                                       policy="lru") as store:
-        backend.open_all.set()
-        async with store.acquire((0, 0)):
-            pass
-        backend.open_all.clear()
+        await _make_resident(store, backend, (0, 0))
         async with store.acquire_as_ready([(0, 1), (0, 0), (0, 2)]) as arrivals:
             batches = aiter(arrivals)
             assert _check(store, await anext(batches)) == [(0, 0)]  # resident: no read needed
@@ -120,10 +125,7 @@ async def test_the_misses_are_read_before_the_engine_computes_on_the_loop(st_che
     backend = HeldReads()
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
                                       policy="lru") as store:
-        backend.open_all.set()
-        async with store.acquire((3, 0)):
-            pass
-        backend.open_all.clear()
+        await _make_resident(store, backend, (3, 0))
         missed = [(3, 1), (3, 2)]
         wanted = {(e.file, e.offset) for key in missed for e in store.index.experts[key].extents}
         try:
@@ -145,10 +147,7 @@ async def test_cancelled_while_the_misses_start_no_lease_leaks(st_checkpoint: Pa
     backend = HeldReads()
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
                                       policy="lru") as store:
-        backend.open_all.set()
-        async with store.acquire((3, 0)):
-            pass
-        backend.open_all.clear()
+        await _make_resident(store, backend, (3, 0))
 
         async def engine() -> None:
             async with store.acquire_as_ready([(3, 0), (3, 3)]):
@@ -179,10 +178,7 @@ async def test_loads_that_landed_meanwhile_come_in_one_batch_without_felt_wait(s
     backend = HeldReads()
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
                                       policy="lru") as store:
-        backend.open_all.set()
-        async with store.acquire((1, 0)):
-            pass
-        backend.open_all.clear()
+        await _make_resident(store, backend, (1, 0))
         felt = store.request_tally.felt_wait_s
         keys = [(1, 0), (1, 1), (1, 2), (1, 3)]
         async with store.acquire_as_ready(keys) as arrivals:
@@ -191,8 +187,7 @@ async def test_loads_that_landed_meanwhile_come_in_one_batch_without_felt_wait(s
                 got.append(_check(store, views))
                 if len(got) == 1:  # "compute" on the first batch while the three load
                     await asyncio.sleep(0.02)
-                    backend.open_all.set()
-                    backend.changed.set()
+                    _open(backend)
                     await _loaded(store, 0)
             assert got == [[(1, 0)], [(1, 1), (1, 2), (1, 3)]]
         assert store.request_tally.felt_wait_s == felt  # nothing was awaited
