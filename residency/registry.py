@@ -8,6 +8,7 @@ from iosched._errors import StoreError
 
 from ._policy import Policy
 from .coact import CoactPolicy
+from .density import DensityPolicy
 from .earned import EarnedPolicy
 from .lfu import LFUPolicy
 from .lrfu import LRFUPolicy
@@ -21,8 +22,11 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     # lru's eviction plus a next-layer prefetch that never displaces a fresh expert and is
     # turned off when it slows the engine (residency/coact.py).  It needs the model's shape
     # (set_shape), which the store and iosched replay give it.
-    "default": CoactPolicy,
+    "default": DensityPolicy,
     "coact": CoactPolicy,
+    # coact's prefetch, eviction by learned hit density under an LRU shadow that can overrule
+    # it (residency/density.py)
+    "density": DensityPolicy,
     # the MoE-aware hit-density policy, with its co-activation prefetch (residency/moe.py)
     "moe": MoEPolicy,
     # moe while its measured gain in felt wait exceeds its measured cost, then coact

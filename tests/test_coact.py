@@ -1,5 +1,6 @@
 """``coact`` (residency/coact.py): LRU's eviction plus a next-layer prefetch whose guard never
-displaces a fresh expert, and the default's switch to it (residency/earned.py)."""
+displaces a fresh expert (the default's prefetch, residency/density.py), and ``earned``'s switch
+to it (residency/earned.py)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def paired_tokens(n: int, seed: int = 1) -> list[list[list[int]]]:
     return tokens
 
 
-def test_coact_is_the_default_and_declares_what_it_does() -> None:
-    assert POLICIES["coact"] is CoactPolicy and POLICIES["default"] is CoactPolicy
+def test_coact_is_named_and_declares_what_it_does() -> None:
+    assert POLICIES["coact"] is CoactPolicy and isinstance(POLICIES["default"](), CoactPolicy)
     assert POLICIES["earned"] is EarnedPolicy
     policy = make_policy("coact", prefetch_width=3)
     assert isinstance(policy, CoactPolicy)
@@ -429,9 +430,10 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
 
 
 def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:
-    """In the store: a budget of one expert a layer leaves ``default`` nothing to prefetch, its
+    """In the store: a budget of one expert a layer leaves ``coact`` nothing to prefetch, its
     trial ends so, and the store stops scheduling its batch-end work (``end_batch`` answered
-    ``None``); every hit and miss is still served, with the checkpoint's bytes."""
+    ``None``); every hit and miss is still served, with the checkpoint's bytes.  (``default``
+    keeps it: its ranking runs there, tests/test_density.py.)"""
     import asyncio
 
     from iosched import ExpertStore
@@ -440,7 +442,7 @@ def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: P
     async def main() -> tuple[dict[str, object], bool]:
         async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30) as probe:
             one = max(layout.nbytes for layout in probe.index.experts.values())
-        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 2 * one, policy="default",
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 2 * one, policy="coact",
                                           experts_per_token=2) as store:
             for t in range(4 * MIN_TRIAL_PAIRS + 4):
                 store.token_boundary()

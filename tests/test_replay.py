@@ -464,7 +464,7 @@ def test_help_lists_experimental_policies_apart() -> None:
     helps = {opt: action.help or "" for action in sub.choices["replay"]._actions
              for opt in action.option_strings}
     normal, experimental = helps["--policy"].split("experimental, with --experimental:")
-    assert "one of belady, coact, default, earned, lfu, lrfu, lru, moe, wtinylfu" in normal
+    assert "one of belady, coact, default, density, earned, lfu, lrfu, lru, moe, wtinylfu" in normal
     assert not any(name in normal for name in EXPERIMENTAL)
     assert experimental.strip() == "belady-bypass, lfu-incache"
     assert "negative results" in helps["--experimental"]

@@ -1,0 +1,461 @@
+"""``density``: ``coact``'s prefetch, with an eviction that ranks by hit density and an LRU
+shadow that can overrule it.
+
+Why: with the engine computing on what is at hand (``acquire_as_ready``) the felt wait left
+is the reads that outlast the compute of a layer's hits, and fewer misses is what shortens
+it; ``coact``'s prefetch found little to take there (docs/residency-notebook.md, "Compute on
+what is at hand").  LRU evicts by age alone.  On MoE routing an expert's chance of being
+routed again depends on its age *and* on how often it was routed before, and the next chance
+of any expert comes only at its layer's next visit.  ``moe`` (``residency/moe.py``) ranks by
+that, but with a per-request cost and a context lift that made it slower than ``lru`` on two
+cores; this policy keeps the ranking and nothing else, computed when a victim is needed:
+
+- **Reuse from the run** (``residency/_hazard.py``'s :class:`HazardTable`): at every decode
+  visit of a layer each of its experts adds an exposure to its (age, count) class and a use
+  when routed; a prompt's router rows (``on_routing``) count as visits too.  The exposures of
+  a token are added at its end, in one ``bincount`` (its visits' ages are kept per batch).
+- **Density** (LHD, Beckmann et al., NSDI 2018, with the layer cycle): an expert of the layer
+  ``d`` visits ahead (``d = L`` for the layer in progress) is worth
+  ``P(routed within h visits) / ((d + L x E[unused visits]) x bytes)``; victims go lowest
+  density first.  The horizon ``h`` is the budget in token cycles (at least 1): under LRU an
+  expert stays about that many visits of its layer, so it is the span over which holding it
+  can pay (an offline model of the as-ready layer, session 29: a horizon of 4 at one token
+  cycle lost 2-4 points of hits on the synthetic traces against LRU, one of 1 lost 0-1).
+- **The LRU shadow** (keys and sizes only, the store's semantics: a batch's hits first, then
+  its misses evicting the oldest): every request runs through it too.  From the
+  :data:`MIN_TOKENS`-th decode token on, when this policy's misses (plus its used prefetches,
+  which would have been misses) exceed the shadow's by more than :data:`GUARD_SIGMAS` times
+  the shadow's Poisson noise (its square root), the eviction is LRU's for good and the
+  density state is dropped: on a trace whose reuse is recency alone the ranking cannot lose
+  more than that margin.  A one-way switch, as ``earned``'s: after it nothing feeds the
+  density, so it could not be judged again.
+- **Where the work runs.**  A batch's visit (ages, counts, the shadow) and the ranking for
+  the next layer run at the batch's end (``end_batch``, ``prepare``), which the store
+  schedules while the engine computes; the next layer's misses then take their victims from
+  that ranking (its :data:`RANK_FIRST` lowest sorted, the rest only if taken).  Where the
+  batch-end work did not run (an engine computing on the loop without an await) the next
+  batch's first request does the visit and its first miss the ranking.  Measured on the
+  critical path (qwen, 1500 MB/s, 5 ms a layer, 4 TD, 32 tokens, the same hits and felt
+  wait each time): ranked at every miss, ``default`` ran at 0.967x ``lru``; once a batch, at
+  its first miss, 0.989x; with the visit and the ranking at the batch end, 1.012x
+  (docs/residency-notebook.md, session 29).
+- **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
+  the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
+  costs what ``coact``'s does.
+
+Everything else (the next-layer prefetch, its guard, its trial) is ``coact``'s: a subclass.
+``coact``'s LRU order is kept beside the ranking: its guard reads it (a fresh victim is never
+displaced by a guess) and the eviction falls back to it.
+
+Constants: :data:`GUARD_SIGMAS` and :data:`MIN_TOKENS` are statistical (a 2-sigma rule on
+miss counts; three tokens as ``coact``'s trial); the bins and the prior are
+``_hazard.py``'s.  Nothing is fitted to a trace.
+
+Invariants (:meth:`check`): ``coact``'s, plus: the resident mask is exactly the table's
+keys; no expert's last routing is after its layer's visits; the shadow holds no more bytes
+than the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from iosched._errors import require
+
+from ._hazard import AGE_MAX, COUNT_BINS, HazardTable, count_bin
+from ._policy import Key, ModelShape
+from .coact import CoactPolicy
+
+GUARD_SIGMAS = 2.0
+"""The shadow's misses plus this many of their standard deviations (Poisson: the square root)
+is what this policy's misses may reach before the eviction turns to LRU's: a density that
+loses by less is noise, one that loses by more is losing (about 2.3 % of the looks of an
+eviction as good as LRU's cross it by chance, one-sided)."""
+
+RANK_FIRST = 32
+"""Victims sorted at first (the rest only when taken): more than a layer's misses and the next
+layer's prefetches take (``2 k`` = 12 at the bundled traces' ``k`` of 6; 16 at an 8-expert
+model), so a batch sorts 32 of its ~300-1200 resident experts, not all."""
+
+MIN_TOKENS = 3
+"""Decode tokens before the guard may decide: the fewest over which a count of misses
+differs by more than the routing's noise (``coact``'s trial waits as many pairs)."""
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+
+class DensityPolicy(CoactPolicy):
+    name: ClassVar[str] = "density"
+
+    def __init__(self, prefetch_width: int | None = None) -> None:
+        super().__init__(prefetch_width)
+        self._hz = HazardTable()
+        self._dv: I64 = np.zeros(0, dtype=np.int64)
+        """Per layer position: its visits as the density counts them (decode batches and a
+        prompt's rows)."""
+        self._last: I64 = np.zeros((0, 0), dtype=np.int64)
+        """Per layer position and expert: the visit that last routed it (``-AGE_MAX``: never)."""
+        self._count: F64 = np.zeros((0, 0))
+        self._res: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
+        """Flat (position x E + expert): resident."""
+        self._pending: list[tuple[int, I64, I64, F64]] = []
+        """This token's decode visits: position, experts, their last routing and count before."""
+        self._phit_flat: F64 = np.zeros(0)
+        """P(routed within the horizon) by class (age x COUNT_BINS + count bin)."""
+        self._extra_flat: F64 = np.zeros(0)
+        """Layer steps held unused beyond the first chance, by class."""
+        self._cbin: I64 = np.zeros((0, 0), dtype=np.int64)
+        """Per layer position and expert: the count's bin (``count_bin(self._count)``)."""
+        self._horizon = 1
+        self._layer_of: I64 = np.zeros(0, dtype=np.int64)
+        self._bytes_of: F64 = np.zeros(0)
+        self._rows_seen: list[bool] = []
+        self._lru = False
+        """The eviction is LRU's (the budget holds the model, or the shadow overruled it)."""
+        self._lru_reason: str | None = None
+        self._overruled = False
+        """Whether the shadow overruled the ranking (the verdict says so)."""
+        self._shadow: OrderedDict[Key, int] = OrderedDict()
+        self._shadow_held = 0
+        self._shadow_misses = 0
+        self._misses = 0
+        self._used = 0
+        self._decoded = 0
+        self._cur = 0
+        self._epoch = 0
+        """Batches begun: the ranking is made once each."""
+        self._rank_epoch = -1
+        self._rank_pos = -1
+        self._applied = -1
+        """The epoch whose batch's visit ``end_batch`` applied (``_close_batch`` then does not)."""
+        self._rank_head: list[int] = []
+        """The batch's ranking: flat indices of its :data:`RANK_FIRST` lowest densities, in order."""
+        self._rank_tail: tuple[F64, I64, I64 | list[int]] | None = None
+        """The rest: unsorted until first needed, then in order."""
+        self._since_rank: list[int] = []
+        """Flat indices inserted since the ranking was made (offered after it)."""
+
+    # ------------------------------------------------------------------ set-up
+
+    def set_shape(self, shape: ModelShape) -> None:
+        super().set_shape(shape)
+        L, E = self._L, self._E
+        self._dv = np.zeros(L, dtype=np.int64)
+        self._last = np.full((L, E), -AGE_MAX, dtype=np.int64)
+        self._count = np.zeros((L, E))
+        self._cbin = np.zeros((L, E), dtype=np.int64)
+        self._res = np.zeros(L * E, dtype=bool)
+        self._layer_of = np.array(self._layers, dtype=np.int64)
+        self._bytes_of = np.array(self._expert_bytes, dtype=np.float64)
+        self._rows_seen = [False] * L
+        self._settle_budget()
+
+    def set_budget(self, budget_bytes: int) -> None:
+        super().set_budget(budget_bytes)
+        self._settle_budget()
+
+    def _settle_budget(self) -> None:
+        """The horizon from the budget in token cycles; LRU's order where nothing is ever
+        evicted (the budget holds every expert of the model)."""
+        if not self._L or self._budget is None:
+            return
+        cycle = self._k * sum(self._expert_bytes)
+        self._horizon = max(1, min(AGE_MAX - 1, round(self._budget / cycle)))
+        self._refresh()
+        if self._budget >= self._E * sum(self._expert_bytes) and not self._lru:
+            self._to_lru("the budget holds every expert: nothing to rank", overruled=False)
+
+    def _refresh(self) -> None:
+        phit, extra = self._hz.density(self._horizon)
+        self._phit_flat = phit.ravel()
+        self._extra_flat = (self._L * extra).ravel()  # in layer steps: L a further visit
+
+    @property
+    def eviction(self) -> str:
+        """``density``, or ``lru`` and why (``stats()["policy_verdict"]`` carries it too)."""
+        return "density" if not self._lru else f"lru ({self._lru_reason})"
+
+    @property
+    def cost_verdict(self) -> str | None:
+        verdict = super().cost_verdict
+        if not self._overruled:
+            return verdict
+        return f"{verdict}; eviction: {self._lru_reason}" if verdict else f"eviction: {self._lru_reason}"
+
+    # ------------------------------------------------------------------ requests
+
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        super().on_request(key, nbytes, hit)
+        if not hit:
+            self._misses += 1
+
+    def _guess_used(self, key: Key) -> None:
+        super()._guess_used(key)
+        self._used += 1
+
+    def _close_batch(self) -> bool:
+        batch, pos = self._batch, self._batch_pos
+        applied = self._applied == self._epoch
+        decode = super()._close_batch()
+        if not applied and not self._lru and batch:
+            self._visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
+        self._epoch += 1
+        return decode
+
+    def _visit(self, pos: int, batch: list[int], decode: bool) -> None:
+        """A batch complete: its visit into the ages and counts, the LRU shadow, and at a
+        decode token's last layer :meth:`_token_end`.  Run at the batch's end, while the
+        engine computes (``end_batch``), or when the next batch begins if that did not run."""
+        self._cur = pos
+        self._shadow_batch(pos, batch)
+        experts = np.array(batch, dtype=np.int64)
+        if decode:
+            row_last, row_count = self._last[pos], self._count[pos]
+            self._pending.append((pos, experts, row_last[experts], row_count[experts]))
+            row_last[experts] = self._dv[pos]
+            row_count[experts] += 1.0
+            self._cbin[pos, experts] = count_bin(row_count[experts])
+            self._dv[pos] += 1
+            if pos == self._L - 1:
+                self._token_end()
+        elif self._rows_seen[pos]:
+            self._rows_seen[pos] = False  # the prompt's rows were its visits
+        else:  # a prompt without its rows: one visit routing what it asked for
+            self._last[pos, experts] = self._dv[pos]
+            self._count[pos, experts] += 1.0
+            self._cbin[pos, experts] = count_bin(self._count[pos, experts])
+            self._dv[pos] += 1
+
+    def _shadow_batch(self, pos: int, batch: list[int]) -> None:
+        """The batch through the LRU shadow: its hits first, then its misses, each evicting
+        the oldest key outside the batch (the store leases a batch's hits before its misses
+        evict)."""
+        shadow, layer = self._shadow, self._layers[pos]
+        keys = [(layer, e) for e in batch]
+        missed = []
+        for key in keys:
+            if key in shadow:
+                shadow.move_to_end(key)
+            else:
+                missed.append(key)
+        if not missed:
+            return
+        self._shadow_misses += len(missed)
+        nbytes, budget = self._expert_bytes[pos], self._budget
+        inside = set(keys)
+        for key in missed:
+            if budget is not None:
+                while self._shadow_held + nbytes > budget:
+                    victim = next((k for k in shadow if k not in inside), None)
+                    if victim is None:
+                        break
+                    self._shadow_held -= shadow.pop(victim)
+                if self._shadow_held + nbytes > budget:
+                    continue  # no room beside the batch: served transiently, as the table does
+            shadow[key] = nbytes
+            self._shadow_held += nbytes
+
+    def _token_end(self) -> None:
+        """A decode token's last layer: its visits' exposures into the hazard table (one
+        bincount), the density tables refreshed, and the guard's look."""
+        pending, self._pending = self._pending, []
+        if pending:
+            pos = np.fromiter((p for p, *_ in pending), dtype=np.intp, count=len(pending))
+            last, count = self._last[pos], self._count[pos]
+            routed = np.zeros(last.shape, dtype=bool)
+            if len({len(experts) for _, experts, _, _ in pending}) == 1:  # the usual token: one array each
+                rows = np.arange(len(pending))[:, None]
+                experts2 = np.array([experts for _, experts, _, _ in pending])
+                last[rows, experts2] = np.array([old for _, _, old, _ in pending])
+                count[rows, experts2] = np.array([old for _, _, _, old in pending])
+                routed[rows, experts2] = True
+            else:
+                for i, (_, experts, old_last, old_count) in enumerate(pending):
+                    last[i, experts] = old_last
+                    count[i, experts] = old_count
+                    routed[i, experts] = True
+            age = (self._dv[pos] - 2)[:, None] - last  # visits idle before this one: 0 = routed at the last
+            self._hz.observe(age.ravel(), count.ravel(), routed.ravel())
+            self._refresh()
+        self._decoded += 1
+        if self._decoded >= MIN_TOKENS:
+            mine = self._misses + self._used
+            theirs = self._shadow_misses
+            if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
+                self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
+                             f"(with its used prefetches) against the LRU shadow's {theirs}")
+
+    def _to_lru(self, reason: str, overruled: bool = True) -> None:
+        self._lru, self._lru_reason = True, reason
+        self._overruled = overruled
+        self._shadow.clear()
+        self._shadow_held = 0
+        self._pending = []
+        if self._trial is None and not self._prefetching and not self._engine_seen and self._verdict:
+            super()._retire()  # the trial had turned the prefetch off: LRU alone from here
+
+    def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
+        """A prompt's router rows: ``coact``'s learning, and each row one visit of the
+        layer for the hazard table."""
+        super().on_routing(layer, rows)
+        pos = self._pos.get(layer)
+        if self._lru or pos is None or rows.ndim != 2:
+            return
+        last, count, E = self._last[pos], self._count[pos], self._E
+        for row in rows:
+            picked = row[row >= 0]
+            routed = np.zeros(E, dtype=bool)
+            routed[picked] = True
+            self._hz.observe(self._dv[pos] - 1 - last, count, routed)
+            last[routed] = self._dv[pos]
+            count[routed] += 1.0
+            self._dv[pos] += 1
+        self._cbin[pos] = count_bin(count)
+        self._rows_seen[pos] = True
+        self._refresh()
+
+    # ------------------------------------------------------------------ membership
+
+    def on_insert(self, key: Key, nbytes: int) -> None:
+        super().on_insert(key, nbytes)
+        p, e = self._where[key]
+        self._res[p * self._E + e] = True
+        if not self._lru:
+            self._since_rank.append(p * self._E + e)
+            if len(self._since_rank) > RANK_FIRST:
+                self._rank_epoch = -1  # so many new: the next victims rank afresh
+                self._since_rank = []
+
+    def on_remove(self, key: Key) -> None:
+        super().on_remove(key)
+        p, e = self._where[key]
+        self._res[p * self._E + e] = False
+
+    def victims(self) -> Iterator[Key]:
+        if self._lru:
+            return iter(self._order)
+        return self._ranked()
+
+    def _ranked(self) -> Iterator[Key]:
+        """The resident experts, lowest density first, from the ranking made for the batch in
+        progress (by :meth:`prepare` while the engine computed on the batch before, or here
+        at its first eviction), each once.  Keys that left since are skipped; keys that came
+        since (the batch's own loads, once published and released; a prefetch) follow, by
+        their own density: every resident key is offered, or a miss could wait for room that
+        an unranked key holds."""
+        cur = self._batch_pos if self._batch_pos >= 0 else self._cur
+        if self._rank_epoch != self._epoch or self._rank_pos != cur:
+            self._rank(cur, self._epoch)
+        res, E, layer_of = self._res, self._E, self._layers
+        offered: set[int] = set()
+        for flat in self._rank_head:
+            if res[flat]:
+                offered.add(flat)
+                p, e = divmod(flat, E)
+                yield (layer_of[p], e)
+        if self._rank_tail is not None:
+            density, idx, tail = self._rank_tail
+            if isinstance(tail, np.ndarray):  # sorted once, when first needed
+                tail = idx[tail[np.argsort(density[tail], kind="stable")]].tolist()
+                self._rank_tail = (density, idx, tail)
+            for flat in tail:
+                if res[flat] and flat not in offered:
+                    offered.add(flat)
+                    p, e = divmod(flat, E)
+                    yield (layer_of[p], e)
+        if self._since_rank:
+            late = np.array([f for f in dict.fromkeys(self._since_rank) if res[f] and f not in offered],
+                            dtype=np.int64)
+            if late.size:
+                density = self._densities_of(late, cur)
+                for flat in late[np.argsort(density, kind="stable")].tolist():
+                    p, e = divmod(flat, E)
+                    yield (layer_of[p], e)
+
+    def _rank(self, cur: int, epoch: int) -> None:
+        """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
+        lowest densities sorted, the rest only when a batch takes more (it takes a few)."""
+        self._rank_epoch, self._rank_pos = epoch, cur
+        self._since_rank = []
+        density, idx = self._densities(cur)
+        first = min(RANK_FIRST, idx.size)
+        if first < idx.size:
+            part = np.argpartition(density, first - 1)
+            head, self._rank_tail = part[:first], (density, idx, part[first:])
+        else:
+            head, self._rank_tail = np.arange(idx.size), None
+        self._rank_head = idx[head[np.argsort(density[head], kind="stable")]].tolist()
+
+    def prepare(self) -> None:
+        """Between batches, while the engine computes: the next position's ranking, so that
+        its misses find their victims ranked."""
+        if not self._lru and self._L and self._batch_pos >= 0:
+            self._rank((self._batch_pos + 1) % self._L, self._epoch + 1)
+
+    def _densities(self, cur: int) -> tuple[F64, I64]:
+        idx = np.flatnonzero(self._res)
+        return self._densities_of(idx, cur), idx
+
+    def _densities_of(self, idx: I64, cur: int) -> F64:
+        """The densities of the experts at flat indices ``idx`` for a batch at position
+        ``cur`` (the module docstring's formula, per byte)."""
+        E, L = self._E, self._L
+        pos = idx // E
+        age = np.minimum(self._dv[pos] - 1 - self._last.reshape(-1)[idx], AGE_MAX - 1)
+        cls = age * COUNT_BINS + self._cbin.reshape(-1)[idx]
+        ahead = (pos - cur - 1) % L + 1  # visits of layers until its next chance; L for this one
+        density: F64 = self._phit_flat[cls] / ((ahead + self._extra_flat[cls]) * self._bytes_of[pos])
+        return density
+
+    def _retire(self) -> None:
+        """The prefetch is off for good: ``coact`` then stops its bookkeeping, which the
+        ranking needs, so only once the eviction is LRU's too."""
+        if self._lru:
+            super()._retire()
+        else:
+            self._proposed.clear()
+
+    def end_batch(self) -> list[Key] | None:
+        """The batch's visit (:meth:`_visit`, off the engine's path while it computes), then
+        ``coact``'s proposals; none once the trial turned the prefetch off, but not ``None``:
+        the store goes on calling this and :meth:`prepare` between batches."""
+        batch, pos = self._batch, self._batch_pos
+        if self._lru:
+            return super().end_batch()
+        if batch and len(batch) <= self._k and self._applied != self._epoch:
+            self._applied = self._epoch
+            self._visit(pos, batch, True)
+        if self._trial is None and not self._prefetching and not self._engine_seen:
+            self._proposed.clear()
+            return []
+        return super().end_batch()
+
+    def _learn(self) -> None:
+        if not self._lru and self._trial is None and not self._prefetching and not self._engine_seen:
+            self._picked, self._tail = [], None  # no prefetch will read the co-activation
+            return
+        super()._learn()
+
+    def check(self, keys: set[Key]) -> None:
+        super().check(keys)
+        if not self._L:
+            return
+        mask = np.zeros_like(self._res)
+        for key in keys:
+            p, e = self._where[key]
+            mask[p * self._E + e] = True
+        require(bool(np.array_equal(mask, self._res)), "density: the resident mask does not track the resident set")
+        require(bool((self._last <= self._dv[:, None]).all()),
+                "density: an expert was routed after its layer's last visit")
+        require(self._budget is None or self._shadow_held <= self._budget,
+                "density: the LRU shadow holds more than the budget")
+
+
+__all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "DensityPolicy"]

@@ -1,0 +1,185 @@
+"""``density`` (residency/density.py), the default: ``coact``'s prefetch, eviction by learned
+hit density, and the LRU shadow that can overrule the ranking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from iosched._errors import InvariantError
+from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
+from iosched.residency.coact import CoactPolicy
+from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, DensityPolicy
+from iosched.residency.lru import LRUPolicy
+from tests.conftest import EXPERTS, LAYERS
+from tests.test_earned import routed_tokens
+from tests.test_moe import SHAPE, TD, UNIT, drive, run_store_with_prefetch
+
+
+def density(budget: int, width: int | None = 0) -> tuple[DensityPolicy, ResidencyTable]:
+    policy = DensityPolicy(width)
+    policy.set_shape(SHAPE)
+    return policy, ResidencyTable(budget, policy)
+
+
+def test_density_is_the_default_with_coacts_abilities() -> None:
+    assert POLICIES["default"] is DensityPolicy and POLICIES["density"] is DensityPolicy
+    assert DensityPolicy.capabilities == CoactPolicy.capabilities
+    policy = make_policy("default", prefetch_width=2)
+    assert isinstance(policy, DensityPolicy)
+    hooks = bind(policy)
+    assert hooks.end_batch is not None and hooks.prepare is not None and hooks.admit_prefetch is not None
+
+
+def test_below_one_cycle_it_keeps_what_lru_evicts() -> None:
+    """The same two experts per layer every token, half a token cycle of budget: LRU evicts
+    the layer that comes next and never hits; ranking by density (the layer just served is
+    the farthest from its next chance) keeps some, and the shadow lets it."""
+    tokens = [[[0, 1]] * 4 for _ in range(30)]
+    lru_hits = drive(ResidencyTable(TD // 2, LRUPolicy()), tokens)
+    policy, table = density(TD // 2)
+    hits = drive(table, tokens)
+    assert sum(lru_hits) == 0
+    assert sum(hits[8 * 5:]) >= 0.25 * len(hits[8 * 5:])  # at most 0.5: 4 of the 8 fit
+    assert policy.eviction == "density"
+
+
+def test_on_skewed_routing_it_hits_more_than_lru_at_one_token_cycle() -> None:
+    """Experts 0-2 are routed far more often than the rest: counts and ages together keep
+    the popular ones through a token that routed others; LRU keeps only the last token's."""
+    tokens = routed_tokens(200)
+    lru_hits = drive(ResidencyTable(TD, LRUPolicy()), tokens)
+    policy, table = density(TD)
+    hits = drive(table, tokens)
+    assert sum(hits) > sum(lru_hits) * 1.05
+    assert policy.eviction == "density"
+
+
+def test_it_evicts_the_layer_just_served_before_the_next_one() -> None:
+    """Equally used experts everywhere, a miss in layer 3: the first victims are not layer 0's
+    (the next visit) but those whose next chance is farthest away."""
+    policy, table = density(TD)
+    drive(table, [[[0, 1], [0, 1], [0, 1], [0, 1]] for _ in range(6)])
+    policy.on_request((3, 5), UNIT, False)  # layer 3's batch is in progress
+    order = [key for key in policy.victims() if isinstance(key, tuple)]
+    assert set(order) == {(layer, e) for layer in range(4) for e in (0, 1)} and len(order) == 8
+    assert all(key[0] != 0 for key in order[:4])
+
+
+def test_the_shadow_turns_the_eviction_to_lru_when_the_ranking_misses_more() -> None:
+    """After :data:`MIN_TOKENS` tokens, misses above the LRU shadow's by more than
+    GUARD_SIGMAS of its noise: from then on the eviction is LRU's order, for good, and the
+    verdict says why."""
+    policy, table = density(TD)
+    tokens = routed_tokens(MIN_TOKENS + 2)
+    drive(table, tokens[:MIN_TOKENS - 1])
+    assert policy.eviction == "density"
+    shadow = policy._shadow_misses  # white box: a ranking that missed this many more
+    policy._misses = shadow + int(GUARD_SIGMAS * np.sqrt(shadow)) + 20
+    drive(table, tokens[MIN_TOKENS - 1:])
+    assert policy.eviction.startswith("lru (lru after")
+    verdict = policy.cost_verdict
+    assert verdict is not None and "LRU shadow" in verdict
+    assert list(policy.victims()) == list(policy._order)
+
+
+def test_a_ranking_no_worse_than_lru_is_not_overruled() -> None:
+    """Every token routes what the last one did, at exactly one token cycle: LRU is optimal,
+    the ranking matches it, and the shadow has nothing to overrule."""
+    tokens = [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(20)]
+    lru_hits = drive(ResidencyTable(TD, LRUPolicy()), tokens)
+    policy, table = density(TD)
+    hits = drive(table, tokens)
+    assert hits == lru_hits
+    assert policy.eviction == "density"
+
+
+def test_a_budget_that_holds_the_model_ranks_nothing() -> None:
+    """Nothing is ever evicted: the eviction is LRU's from the start, nothing is learned (a
+    resident acquire costs ``coact``'s), and no verdict claims an overruling."""
+    whole = SHAPE.n_expert * sum(SHAPE.expert_bytes.values())
+    policy, table = density(whole)
+    drive(table, routed_tokens(5))
+    assert policy.eviction.startswith("lru (the budget holds every expert")
+    assert int(policy._dv.sum()) == 0
+    assert policy.cost_verdict is None
+
+
+def test_prompt_rows_are_visits_of_their_layer() -> None:
+    """``on_routing``: each row of a prompt is one visit (ages and counts move, the hazard
+    table learns), and the prompt's own batch then adds no visit of its own."""
+    policy, table = density(TD)
+    rows = np.array([[0, 1], [0, 2], [0, 3]], dtype=np.int64)
+    before = policy._hz.exposed.sum()
+    policy.on_routing(0, rows)
+    assert int(policy._dv[0]) == 3
+    assert policy._count[0, 0] == 3 and policy._count[0, 3] == 1
+    assert policy._hz.exposed.sum() == before + 3 * SHAPE.n_expert  # every expert, every row
+    drive(table, [[[0, 1, 2, 3], [0], [0], [0]]])  # the prompt's batch of layer 0 (> k)
+    assert int(policy._dv[0]) == 3
+
+
+def test_prepare_ranks_the_next_batch_so_its_misses_find_it_ranked() -> None:
+    policy, table = density(TD)
+    drive(table, routed_tokens(4))
+    calls = []
+    real = policy._densities
+
+    def counting(cur: int) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(cur)
+        return real(cur)
+
+    policy._densities = counting  # type: ignore[method-assign]
+    for e in (0, 1):
+        hit = table.get((0, e)) is not None
+        policy.on_request((0, e), UNIT, hit)
+    assert policy.end_batch() is not None
+    policy.prepare()
+    assert calls == [1]  # ranked for layer 1, while the engine computes on layer 0
+    policy.on_request((1, 7), UNIT, table.get((1, 7)) is not None)
+    list(policy.victims())
+    assert calls == [1]  # layer 1's miss used it
+
+
+def test_every_resident_expert_is_offered_once_also_those_come_after_the_ranking() -> None:
+    """A batch that goes on after its ranking was made (single acquires of one layer, a
+    prefetch): its loads, once resident and released, are offered too (else a miss could wait
+    for room only they hold), and nothing twice."""
+    policy, table = density(TD)
+    drive(table, routed_tokens(4))
+    policy.on_request((2, 0), UNIT, table.get((2, 0)) is not None)
+    list(policy.victims())  # ranked now
+    for e in range(1, 8):  # the same batch grows: each miss is loaded and published
+        key = (2, e)
+        hit = table.get(key) is not None
+        policy.on_request(key, UNIT, hit)
+        if not hit:
+            entry = table.reserve(key, UNIT)
+            assert entry is not None
+            table.publish(entry)
+    order = list(policy.victims())
+    assert len(order) == len(set(order)) == len(table)
+    assert set(order) == {entry.key for entry in table._entries.values()}
+
+
+def test_check_catches_a_resident_mask_out_of_step() -> None:
+    policy, table = density(TD)
+    drive(table, routed_tokens(3))
+    table.check()
+    flat = int(np.flatnonzero(policy._res)[0])
+    policy._res[flat] = False
+    with pytest.raises(InvariantError, match="resident mask"):
+        table.check()
+
+
+def test_the_store_runs_the_default_and_every_view_has_the_checkpoints_bytes(st_checkpoint: Path) -> None:
+    """A budget of 4 experts a layer under a routing that shifts each token: the ranking and
+    the shadow run in a real store, its invariants (the policy's ``check`` included) hold,
+    and every view read the right bytes (``run_store_with_prefetch`` asserts it)."""
+    routed = [[((t + layer) % EXPERTS, (t * 3 + layer + 1) % EXPERTS) for layer in range(LAYERS)]
+              for t in range(12)]
+    stats = run_store_with_prefetch(st_checkpoint, "default", routed)
+    assert stats["policy"] == "default" and stats["policy_fallback"] is None
+    assert stats["resident_bytes"] <= stats["budget_bytes"]
