@@ -466,7 +466,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 f"its routing explains (standard error {se * 1e3:.1f} ms)")
         if not on and not self._engine_seen:
             self._retire()
-            self._verdict += "; LRU alone from here on"
+            if self._retired:  # (``density`` keeps its ranking: it does not retire here)
+                self._verdict += "; LRU alone from here on"
 
     def _retire(self) -> None:
         """The prefetch is off for good and the engine passes no lookahead: what is left of
