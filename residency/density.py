@@ -130,7 +130,7 @@ class DensityPolicy(CoactPolicy):
         self._decoded = 0
         self._cur = 0
         self._epoch = 0
-        """Batches begun: the ranking is made once each."""
+        """Batches closed (``_close_batch``): a ranking is valid for the epoch it was made for."""
         self._rank_epoch = -1
         self._rank_pos = -1
         self._applied = -1
