@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--reps", type=_command.positive_int, default=7,
                      help="repetitions, interleaved across loops (default 7)")
     hit.add_argument("--policy", default="default",
-                     help="residency policy (default: default, which is coact: LRU plus a "
-                          "prefetch that must pay for itself)")
+                     help="residency policy (default: default, which is density: eviction by "
+                          "learned hit density under an LRU shadow, and coact's prefetch)")
     _add_json(hit)
     hit.set_defaults(func=_cmd_hitpath)
     return parser
