@@ -183,3 +183,46 @@ def test_the_store_runs_the_default_and_every_view_has_the_checkpoints_bytes(st_
     stats = run_store_with_prefetch(st_checkpoint, "default", routed)
     assert stats["policy"] == "default" and stats["policy_fallback"] is None
     assert stats["resident_bytes"] <= stats["budget_bytes"]
+
+
+def test_its_ranking_is_the_documented_density_expert_by_expert() -> None:
+    """The numbers the ranking sorts are ``P(routed within h) / ((d + L x extra) x bytes)``
+    of each resident expert, recomputed here one expert at a time from the hazard table
+    (times the one expert size when every layer's is the same: a constant, so the same
+    order), with layers of equal and of different sizes."""
+    from iosched.residency._hazard import AGE_MAX, count_bin
+    from iosched.residency._policy import ModelShape
+
+    for sizes in ({0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT}, {0: UNIT, 1: 3 * UNIT, 2: 2 * UNIT, 3: UNIT}):
+        shape = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2, expert_bytes=sizes)
+        policy = DensityPolicy(0)
+        policy.set_shape(shape)
+        table = ResidencyTable(shape.token_cycle_bytes, policy)
+        for token in routed_tokens(12):
+            for layer, experts in enumerate(token):
+                for e in experts:
+                    hit = table.get((layer, e)) is not None
+                    policy.on_request((layer, e), sizes[layer], hit)
+                    if not hit:
+                        entry = table.reserve((layer, e), sizes[layer])
+                        assert entry is not None
+                        table.publish(entry)
+                        if entry.transient:
+                            table.remove(entry)
+                policy.end_batch()
+                policy.prepare()
+        table.check()
+        phit, extra = policy._hz.density(policy._horizon)
+        idx = np.flatnonzero(policy._res)
+        assert idx.size >= 4
+        for cur in range(4):
+            got = policy._densities_of(idx, cur)
+            want = []
+            for flat in idx.tolist():
+                p, e = divmod(flat, 8)
+                age = min(int(policy._dv[p]) - 1 - int(policy._last[p, e]), AGE_MAX - 1)
+                c = int(count_bin(np.array([policy._count[p, e]]))[0])
+                ahead = (p - cur - 1) % 4 + 1
+                want.append(phit[age, c] / ((ahead + 4 * extra[age, c]) * sizes[p]))
+            scale = UNIT if len(set(sizes.values())) == 1 else 1
+            np.testing.assert_allclose(got, np.array(want) * scale, rtol=1e-12)
