@@ -457,7 +457,8 @@ class DensityPolicy(CoactPolicy):
 
     def _densities_of(self, idx: I64, cur: int) -> F64:
         """The densities of the experts at flat indices ``idx`` for a batch at position
-        ``cur`` (the module docstring's formula, per byte)."""
+        ``cur``: the module docstring's formula, per byte; where every layer's experts have
+        the same size, times that size (:attr:`_uniform`: the same order)."""
         pos = self._pos_flat[idx]
         age = np.minimum((self._dv - 1)[pos] - self._last.reshape(-1)[idx], AGE_MAX - 1)
         cls = age + self._cbin.reshape(-1)[idx]
