@@ -135,8 +135,7 @@ class DensityPolicy(CoactPolicy):
         :data:`AGE_MAX`, the offset of its row in the class tables (class = that + age)."""
         self._ahead: F64 = np.zeros((0, 0))
         """``[cur, p]``: layer steps from a batch at position ``cur`` to position ``p``'s next
-        visit (``L`` for ``cur`` itself), times that position's expert bytes where the bytes
-        differ by layer."""
+        visit (``L`` for ``cur`` itself)."""
         self._uniform = True
         """Every layer's experts have the same bytes: the density's division by them is left
         out (a constant factor: the order, which is all a ranking uses, stays)."""
@@ -187,9 +186,8 @@ class DensityPolicy(CoactPolicy):
         self._bytes_of = np.array(self._expert_bytes, dtype=np.float64)
         self._pos_flat = np.repeat(np.arange(L, dtype=np.int64), E)
         steps = np.arange(L)
-        ahead = ((steps[None, :] - steps[:, None] - 1) % L + 1).astype(np.float64)
+        self._ahead = ((steps[None, :] - steps[:, None] - 1) % L + 1).astype(np.float64)
         self._uniform = len(set(self._expert_bytes)) <= 1
-        self._ahead = ahead if self._uniform else ahead * self._bytes_of[None, :]
         self._rows_seen = [False] * L
         self._settle_budget()
 
@@ -463,10 +461,10 @@ class DensityPolicy(CoactPolicy):
         age = np.minimum((self._dv - 1)[pos] - self._last.reshape(-1)[idx], AGE_MAX - 1)
         cls = age + self._cbin.reshape(-1)[idx]
         ahead = self._ahead[cur][pos]  # visits of layers until its next chance; L for this one
-        if self._uniform:  # (times the bytes, a constant: see _uniform)
-            density: F64 = self._phit_flat[cls] / (ahead + self._extra_flat[cls])
-        else:
-            density = self._phit_flat[cls] / (ahead + self._extra_flat[cls] * self._bytes_of[pos])
+        held = ahead + self._extra_flat[cls]  # layer steps it would hold its bytes for
+        if not self._uniform:  # (where every size is the same, a constant: see _uniform)
+            held *= self._bytes_of[pos]
+        density: F64 = self._phit_flat[cls] / held
         return density
 
     def _retire(self) -> None:

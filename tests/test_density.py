@@ -10,6 +10,8 @@ import pytest
 
 from iosched._errors import InvariantError
 from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
+from iosched.residency._hazard import AGE_MAX, count_bin
+from iosched.residency._policy import ModelShape
 from iosched.residency.coact import CoactPolicy
 from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, DensityPolicy
 from iosched.residency.lru import LRUPolicy
@@ -190,28 +192,12 @@ def test_its_ranking_is_the_documented_density_expert_by_expert() -> None:
     of each resident expert, recomputed here one expert at a time from the hazard table
     (times the one expert size when every layer's is the same: a constant, so the same
     order), with layers of equal and of different sizes."""
-    from iosched.residency._hazard import AGE_MAX, count_bin
-    from iosched.residency._policy import ModelShape
-
     for sizes in ({0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT}, {0: UNIT, 1: 3 * UNIT, 2: 2 * UNIT, 3: UNIT}):
         shape = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2, expert_bytes=sizes)
         policy = DensityPolicy(0)
         policy.set_shape(shape)
         table = ResidencyTable(shape.token_cycle_bytes, policy)
-        for token in routed_tokens(12):
-            for layer, experts in enumerate(token):
-                for e in experts:
-                    hit = table.get((layer, e)) is not None
-                    policy.on_request((layer, e), sizes[layer], hit)
-                    if not hit:
-                        entry = table.reserve((layer, e), sizes[layer])
-                        assert entry is not None
-                        table.publish(entry)
-                        if entry.transient:
-                            table.remove(entry)
-                policy.end_batch()
-                policy.prepare()
-        table.check()
+        drive(table, routed_tokens(12), sizes=sizes)
         phit, extra = policy._hz.density(policy._horizon)
         idx = np.flatnonzero(policy._res)
         assert idx.size >= 4

@@ -3,7 +3,7 @@ co-activation prefetch with its eviction guard, and the store driving it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +31,24 @@ TD = SHAPE.token_cycle_bytes  # 8 units
 
 
 def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool = True,
-          wait_s: float | None = None) -> list[bool]:
+          wait_s: float | None = None, sizes: Mapping[int, int] | None = None) -> list[bool]:
     """Replay tokens (per token, per layer, the experts) through ``table`` as tools/replay.py
     does: request by request, and after each batch the policy's proposals, speculatively.
     ``wait_s``: each miss is felt as that long (``on_wait``, as the store reports it; the
-    replay reports none)."""
+    replay reports none).  ``sizes``: bytes of an expert by layer (default: ``UNIT`` each)."""
     hits: list[bool] = []
     policy = table.policy
     on_wait = table.hooks.on_wait if wait_s is not None else None
     for token in tokens:
         for layer, experts in enumerate(token):
+            nbytes = UNIT if sizes is None else sizes[layer]
             for e in experts:
                 key = (layer, e)
                 hit = table.get(key) is not None
                 hits.append(hit)
-                policy.on_request(key, UNIT, hit)
+                policy.on_request(key, nbytes, hit)
                 if not hit:
-                    entry = table.reserve(key, UNIT)
+                    entry = table.reserve(key, nbytes)
                     assert entry is not None
                     table.publish(entry)
                     if entry.transient:
@@ -58,7 +59,8 @@ def drive(table: ResidencyTable, tokens: list[list[list[int]]], prefetch: bool =
             if end_batch is not None:
                 for want in end_batch() or ():
                     if prefetch and table.get(want) is None:
-                        entry = table.reserve(want, UNIT, speculative=True)
+                        want_bytes = UNIT if sizes is None else sizes[want[0]]  # type: ignore[index]
+                        entry = table.reserve(want, want_bytes, speculative=True)
                         if entry is not None:
                             table.publish(entry)
             table.check()
