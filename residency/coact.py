@@ -189,6 +189,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._tok_gaps_s = 0.0
         self._tok_misses = self._tok_used = 0
         """The token in progress: its time between batches, misses and used prefetches."""
+        self._all_misses = 0
+        """Demand misses since the start, until retired (``density``'s guard reads it)."""
         self._tok_prompt = False
         """Whether a prompt batch (more than ``k`` experts) closed in the token in progress."""
         self._pair_on: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
@@ -324,6 +326,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 self._guess_used(key)
         else:
             self._tok_misses += 1
+            self._all_misses += 1
             self._missed[p] = True
             left = self._ghosts.pop(key, None)
             if left is not None and self._visits[p] - left <= 1:

@@ -38,7 +38,9 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   critical path (qwen, 1500 MB/s, 5 ms a layer, 4 TD, 32 tokens, the same hits and felt
   wait each time): ranked at every miss, ``default`` ran at 0.967x ``lru``; once a batch, at
   its first miss, 0.989x; with the visit and the ranking at the batch end, 1.012x
-  (docs/residency-notebook.md, session 29).
+  (docs/residency-notebook.md, session 29).  Above one token cycle of budget a ranking
+  serves several batches (:data:`RERANK_MAX`); the experts routed since it was made are
+  offered after it, by their fresh densities.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
@@ -83,6 +85,17 @@ RANK_FIRST = 32
 """Victims sorted at first (the rest only when taken): more than a layer's misses and the next
 layer's prefetches take (``2 k`` = 12 at the bundled traces' ``k`` of 6; 16 at an 8-expert
 model), so a batch sorts 32 of its ~300-1200 resident experts, not all."""
+
+RERANK_MAX = 4
+"""The most batches one ranking serves (at a budget of 4 token cycles and more).  A ranking
+serves ``min(horizon, RERANK_MAX)`` batches: at one token cycle every batch ranks afresh, at two
+every other, at four and more every fourth; the experts routed since it was made are offered
+after it, by their fresh densities.  Measured with the hit-rate replay (eviction only, whole
+traces, qwen, gemma and three synthetic traces, session 32): ranking every 2 batches at 2 TD
+and every 4 at 4 and 8 TD gave the decode hits of ranking every batch within 0.1 point; every 4
+at 2 TD lost up to 0.6, every 2 at 1 TD up to 1.2, every 8 at 4 TD up to 0.3.  Each ranking
+is ~15 numpy calls on the event loop, and in real runs beside a compute thread those cost 2-5
+times their own CPU (docs/residency-notebook.md, session 31)."""
 
 MIN_TOKENS = 3
 """Decode tokens before the guard may decide: the fewest over which a count of misses
@@ -140,6 +153,8 @@ class DensityPolicy(CoactPolicy):
         """Every layer's experts have the same bytes: the density's division by them is left
         out (a constant factor: the order, which is all a ranking uses, stays)."""
         self._horizon = 1
+        self._rerank = 1
+        """Batches one ranking serves: ``min(horizon, RERANK_MAX)``."""
         self._layer_of: I64 = np.zeros(0, dtype=np.int64)
         self._bytes_of: F64 = np.zeros(0)
         self._pos_flat: I64 = np.zeros(0, dtype=np.int64)
@@ -153,7 +168,6 @@ class DensityPolicy(CoactPolicy):
         self._shadow: OrderedDict[Key, int] = OrderedDict()
         self._shadow_held = 0
         self._shadow_misses = 0
-        self._misses = 0
         self._used = 0
         self._decoded = 0
         self._cur = 0
@@ -168,7 +182,8 @@ class DensityPolicy(CoactPolicy):
         self._rank_tail: tuple[F64, I64, I64 | list[int]] | None = None
         """The rest: unsorted until first needed, then in order."""
         self._since_rank: list[int] = []
-        """Flat indices inserted since the ranking was made (offered after it)."""
+        """Flat indices inserted, or (a ranking serving several batches) routed, since the
+        ranking was made: offered after it, by their densities then."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -202,6 +217,7 @@ class DensityPolicy(CoactPolicy):
             return
         cycle = self._k * sum(self._expert_bytes)
         self._horizon = max(1, min(AGE_MAX - 1, round(self._budget / cycle)))
+        self._rerank = min(self._horizon, RERANK_MAX)
         self._refresh()
         if self._budget >= self._E * sum(self._expert_bytes) and not self._lru:
             self._to_lru("the budget holds every expert: nothing to rank", overruled=False)
@@ -224,11 +240,6 @@ class DensityPolicy(CoactPolicy):
         return f"{verdict}; eviction: {self._lru_reason}" if verdict else f"eviction: {self._lru_reason}"
 
     # ------------------------------------------------------------------ requests
-
-    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
-        super().on_request(key, nbytes, hit)
-        if not hit:
-            self._misses += 1
 
     def _guess_used(self, key: Key) -> None:
         super()._guess_used(key)
@@ -256,6 +267,9 @@ class DensityPolicy(CoactPolicy):
             old_last = [last_l[e] for e in batch]
             old_count = [count_l[e] for e in batch]
             self._pending.append((pos, list(batch), old_last, old_count))
+            if self._rerank > 1:  # routed since the ranking: its place there is stale
+                base = pos * self._E
+                self._since_rank.extend([base + e for e in batch])
             for e, c in zip(batch, old_count, strict=True):  # scalar writes (see _last_l)
                 c += 1
                 last_l[e] = visit
@@ -335,7 +349,7 @@ class DensityPolicy(CoactPolicy):
             self._refresh()
         self._decoded += 1
         if self._decoded >= MIN_TOKENS:
-            mine = self._misses + self._used
+            mine = self._all_misses + self._used
             theirs = self._shadow_misses
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
@@ -379,7 +393,7 @@ class DensityPolicy(CoactPolicy):
         self._res[p * self._E + e] = True
         if not self._lru:
             self._since_rank.append(p * self._E + e)
-            if len(self._since_rank) > RANK_FIRST:
+            if len(self._since_rank) > RANK_FIRST * self._rerank:
                 self._rank_epoch = -1  # so many new: the next victims rank afresh
                 self._since_rank = []
 
@@ -401,12 +415,12 @@ class DensityPolicy(CoactPolicy):
         their own density: every resident key is offered, or a miss could wait for room that
         an unranked key holds."""
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
-        if self._rank_epoch != self._epoch or self._rank_pos != cur:
+        if not self._ranking_serves(cur):
             self._rank(cur, self._epoch)
         res, E, layer_of = self._res, self._E, self._layers
-        offered: set[int] = set()
+        offered: set[int] = set(self._since_rank)  # offered last, by their fresh densities
         for flat in self._rank_head:
-            if res[flat]:
+            if res[flat] and flat not in offered:
                 offered.add(flat)
                 p, e = divmod(flat, E)
                 yield (layer_of[p], e)
@@ -421,8 +435,7 @@ class DensityPolicy(CoactPolicy):
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
         if self._since_rank:
-            late = np.array([f for f in dict.fromkeys(self._since_rank) if res[f] and f not in offered],
-                            dtype=np.int64)
+            late = np.array([f for f in dict.fromkeys(self._since_rank) if res[f]], dtype=np.int64)
             if late.size:
                 density = self._densities_of(late, cur)
                 for flat in late[np.argsort(density, kind="stable")].tolist():
@@ -443,11 +456,24 @@ class DensityPolicy(CoactPolicy):
             head, self._rank_tail = np.arange(idx.size), None
         self._rank_head = idx[head[np.argsort(density[head], kind="stable")]].tolist()
 
+    def _ranking_serves(self, cur: int) -> bool:
+        """Whether the ranking at hand may serve the batch of epoch ``self._epoch`` at ``cur``:
+        made for it, or (``_rerank`` > 1) for one of the ``_rerank - 1`` batches before it."""
+        age = self._epoch - self._rank_epoch
+        if self._rank_epoch < 0 or age < 0:
+            return False
+        return age < self._rerank if self._rerank > 1 else self._rank_pos == cur
+
     def prepare(self) -> None:
         """Between batches, while the engine computes: the next position's ranking, so that
-        its misses find their victims ranked."""
+        its misses find their victims ranked (unless the ranking at hand still serves it:
+        :data:`RERANK_MAX`)."""
         if not self._lru and self._L and self._batch_pos >= 0:
-            self._rank((self._batch_pos + 1) % self._L, self._epoch + 1)
+            nxt = (self._batch_pos + 1) % self._L
+            epoch = self._epoch + 1
+            age = epoch - self._rank_epoch
+            if self._rank_epoch < 0 or not 0 <= age < self._rerank or self._rerank == 1:
+                self._rank(nxt, epoch)
 
     def _densities(self, cur: int) -> tuple[F64, I64]:
         idx = np.flatnonzero(self._res)
@@ -514,3 +540,4 @@ class DensityPolicy(CoactPolicy):
 
 
 __all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "DensityPolicy"]
+

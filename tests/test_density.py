@@ -13,7 +13,7 @@ from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
 from iosched.residency.coact import CoactPolicy
-from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, DensityPolicy
+from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, RERANK_MAX, DensityPolicy
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import routed_tokens
@@ -79,7 +79,7 @@ def test_the_shadow_turns_the_eviction_to_lru_when_the_ranking_misses_more() -> 
     drive(table, tokens[:MIN_TOKENS - 1])
     assert policy.eviction == "density"
     shadow = policy._shadow_misses  # white box: a ranking that missed this many more
-    policy._misses = shadow + int(GUARD_SIGMAS * np.sqrt(shadow)) + 20
+    policy._all_misses = shadow + int(GUARD_SIGMAS * np.sqrt(shadow)) + 20
     drive(table, tokens[MIN_TOKENS - 1:])
     assert policy.eviction.startswith("lru (lru after")
     verdict = policy.cost_verdict
@@ -143,6 +143,88 @@ def test_prepare_ranks_the_next_batch_so_its_misses_find_it_ranked() -> None:
     policy.on_request((1, 7), UNIT, table.get((1, 7)) is not None)
     list(policy.victims())
     assert calls == [1]  # layer 1's miss used it
+
+
+def _count_rankings(policy: DensityPolicy) -> list[int]:
+    calls: list[int] = []
+    real = policy._densities
+
+    def counting(cur: int) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(cur)
+        return real(cur)
+
+    policy._densities = counting  # type: ignore[method-assign]
+    return calls
+
+
+def _batch_end(policy: DensityPolicy, table: ResidencyTable, layer: int, experts: list[int]) -> None:
+    """One decode batch as the store plays it: its requests (misses loaded), then the batch-end
+    work (``end_batch``, ``prepare``)."""
+    for e in experts:
+        key = (layer, e)
+        hit = table.get(key) is not None
+        policy.on_request(key, UNIT, hit)
+        if not hit:
+            entry = table.reserve(key, UNIT)
+            if entry is not None:
+                table.publish(entry)
+    assert policy.end_batch() is not None
+    policy.prepare()
+
+
+WIDE = ModelShape(layers=(0, 1, 2, 3), n_expert=32, experts_per_token=2,
+                  expert_bytes={0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT})
+"""32 experts a layer: 16 token cycles hold the model, so 8 still rank."""
+
+
+@pytest.mark.parametrize(("cycles", "serves"), [(1, 1), (2, 2), (4, RERANK_MAX), (8, RERANK_MAX)])
+def test_one_ranking_serves_as_many_batches_as_the_horizon_allows(cycles: int, serves: int) -> None:
+    """At one token cycle every batch ranks afresh; at ``h`` cycles a ranking serves ``h``
+    batches, at most :data:`RERANK_MAX` (fewer numpy calls on the loop, the same hits)."""
+    policy = DensityPolicy(0)
+    policy.set_shape(WIDE)
+    table = ResidencyTable(cycles * WIDE.token_cycle_bytes, policy)
+    assert policy._rerank == serves
+    rng = np.random.default_rng(5)
+    tokens = [[rng.choice(32, size=2, replace=False).tolist() for _ in range(4)] for _ in range(40)]
+    drive(table, tokens)
+    assert policy.eviction == "density"
+    calls = _count_rankings(policy)
+    batches = 4 * RERANK_MAX
+    for i in range(batches):
+        _batch_end(policy, table, i % 4, rng.choice(32, size=2, replace=False).tolist())
+    # (one more where the first batch's misses ranked before any batch end had)
+    assert batches // serves <= len(calls) <= batches // serves + 1
+
+
+def test_an_expert_routed_since_the_ranking_is_offered_after_it() -> None:
+    """A ranking that serves several batches placed an expert by its density when it was
+    made; routed since, that place is stale (its age is 0 now), so it is offered only after
+    every expert the ranking still places, and every resident expert is still offered once."""
+    policy = DensityPolicy(0)
+    policy.set_shape(WIDE)
+    table = ResidencyTable(4 * WIDE.token_cycle_bytes, policy)
+    rng = np.random.default_rng(7)
+    drive(table, [[rng.choice(32, size=2, replace=False).tolist() for _ in range(4)] for _ in range(40)])
+    assert policy._rerank == RERANK_MAX
+    policy._rank_epoch = -1  # rank afresh, for the batch at hand
+    key = next(iter(policy.victims()))  # its lowest density
+    assert isinstance(key, tuple)
+    layer = key[0]
+    if policy._batch_pos == layer:  # a batch of another layer between
+        other = (layer + 1) % 4
+        policy.on_request((other, 0), UNIT, table.get((other, 0)) is not None)
+        assert policy.end_batch() is not None
+    policy.on_request(key, UNIT, True)  # a later batch routes it: a hit
+    assert policy.end_batch() is not None  # its visit: age 0, one use more
+    assert policy._ranking_serves(layer)  # the ranking made a batch ago still serves this one
+    order = list(policy.victims())
+    assert len(order) == len(set(order)) == len(table)
+    routed_since = {divmod(f, WIDE.n_expert) for f in policy._since_rank}
+    assert key in routed_since
+    first_late = min(order.index(k) for k in routed_since if k in order)
+    assert first_late > 0 and order.index(key) >= first_late
+    assert all(k not in routed_since for k in order[:first_late])
 
 
 def test_every_resident_expert_is_offered_once_also_those_come_after_the_ranking() -> None:

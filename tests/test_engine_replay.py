@@ -203,6 +203,8 @@ def test_paired_plays_every_arm_cold_token_by_token(
         assert row["decode_requests"] == 3 * 30 * out["k"] and 0.0 <= row["decode_hit"] <= 1.0
         assert row["paired_q1"] <= row["paired_tokens_per_s_vs_first"] <= row["paired_q3"]
         assert len(row["token_ms"]) == 3 and min(row["token_ms"]) > 0
+        # the engine's compute in the arm's tokens: part of each token's time
+        assert 0 <= row["compute_ms_per_token"] <= sum(row["token_ms"]) / 3
     by = {(r["policy"], r["cycles"]): r for r in out["results"]}
     for c in (1.0, 4.0):
         assert by[("lru", c)]["paired_tokens_per_s_vs_first"] == 1.0
