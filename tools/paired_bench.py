@@ -176,6 +176,8 @@ class Arm:
         """The engine's compute in this arm's decode tokens (``Compute.seconds``: the numpy
         work itself, in its thread or on the loop), so that a store slowing the compute beside
         it shows apart from the wait it saves."""
+        self.loop_cpu_s = 0.0
+        """The event loop thread's CPU in this arm's decode tokens (``time.thread_time``)."""
         self.requests = self.hits = 0
 
     @contextlib.contextmanager
@@ -242,6 +244,7 @@ async def interleave(trace: RouteTrace, checkpoints: Sequence[tuple[Path, Checkp
                 with arm.playing():
                     before = arm.store.request_tally
                     computed = engine.seconds
+                    c0 = time.thread_time()
                     t0 = time.perf_counter()
                     await play_group(arm.store, trace, group, decode, was_decode, engine, layer_map, starts[gi])
                     await arm.store.settle()
@@ -251,6 +254,7 @@ async def interleave(trace: RouteTrace, checkpoints: Sequence[tuple[Path, Checkp
                         arm.times.append(dt)
                         arm.felt_s += after.felt_wait_s - before.felt_wait_s
                         arm.compute_s += engine.seconds - computed
+                        arm.loop_cpu_s += time.thread_time() - c0
                         arm.requests += after.requests - before.requests
                         arm.hits += after.hits - before.hits
             was_decode = decode
@@ -284,6 +288,7 @@ def paired_rows(arms: Sequence[Arm], stats: dict[str, dict[str, Any]], cycles: f
             "decode_hit": arm.hits / arm.requests if arm.requests else 0.0,
             "felt_wait_per_token_ms": 1e3 * arm.felt_s / max(len(ts), 1),
             "compute_ms_per_token": 1e3 * arm.compute_s / max(len(ts), 1),
+            "loop_cpu_ms_per_token": 1e3 * arm.loop_cpu_s / max(len(ts), 1),
             "bytes_read": s["bytes_read"],
             "prefetch_issued": s.get("prefetch_issued"),
             "prefetch_used": s.get("prefetch_used"),
