@@ -144,8 +144,11 @@ class DensityPolicy(CoactPolicy):
         numpy calls of a vectorised visit after the compute swept the caches (hit-rate replay,
         gemma, 4 TD, a 48 MiB sweep between batches: 70 -> 52 us a visit, the LRU shadow's
         20 us included)."""
+        self._res_bytes = bytearray()
+        """Flat (position x E + expert): resident (1) or not (0); a Python-level read or write
+        of one costs a third of a numpy scalar's, and the membership hooks do one each."""
         self._res: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
-        """Flat (position x E + expert): resident."""
+        """The same bytes as a numpy view, for the ranking's vectorised reads."""
         self._pending: list[tuple[int, list[int], list[int], list[int]]] = []
         """This token's decode visits: position, experts, their last routing and count before."""
         self._phit_flat: F64 = np.zeros(0)
@@ -190,9 +193,10 @@ class DensityPolicy(CoactPolicy):
         """The batch's ranking: flat indices of its :data:`RANK_FIRST` lowest densities, in order."""
         self._rank_tail: tuple[F64, I64, I64 | list[int]] | None = None
         """The rest: unsorted until first needed, then in order."""
-        self._since_rank: list[int] = []
+        self._since_rank: dict[int, None] = {}
         """Flat indices inserted, or (a ranking serving several batches) routed, since the
-        ranking was made: offered after it, by their densities then."""
+        ranking was made (an ordered set): offered after it, by their densities then, and
+        not from it."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -205,7 +209,8 @@ class DensityPolicy(CoactPolicy):
         self._cbin = np.zeros((L, E), dtype=np.int64)
         self._last_l = [[-AGE_MAX] * E for _ in range(L)]
         self._count_l = [[0] * E for _ in range(L)]
-        self._res = np.zeros(L * E, dtype=bool)
+        self._res_bytes = bytearray(L * E)
+        self._res = np.frombuffer(self._res_bytes, dtype=np.bool_)
         self._layer_of = np.array(self._layers, dtype=np.int64)
         self._bytes_of = np.array(self._expert_bytes, dtype=np.float64)
         self._pos_flat = np.repeat(np.arange(L, dtype=np.int64), E)
@@ -277,8 +282,9 @@ class DensityPolicy(CoactPolicy):
             old_count = [count_l[e] for e in batch]
             self._pending.append((pos, list(batch), old_last, old_count))
             if self._rerank > 1:  # routed since the ranking: its place there is stale
-                base = pos * self._E
-                self._since_rank.extend([base + e for e in batch])
+                base, since = pos * self._E, self._since_rank
+                for e in batch:
+                    since[base + e] = None
             for e, c in zip(batch, old_count, strict=True):  # scalar writes (see _last_l)
                 c += 1
                 last_l[e] = visit
@@ -400,17 +406,18 @@ class DensityPolicy(CoactPolicy):
     def on_insert(self, key: Key, nbytes: int) -> None:
         super().on_insert(key, nbytes)
         p, e = self._where[key]
-        self._res[p * self._E + e] = True
+        flat = p * self._E + e
+        self._res_bytes[flat] = 1
         if not self._lru:
-            self._since_rank.append(p * self._E + e)
+            self._since_rank[flat] = None
             if len(self._since_rank) > RANK_FIRST * self._rerank:
                 self._rank_epoch = -1  # so many new: the next victims rank afresh
-                self._since_rank = []
+                self._since_rank = {}
 
     def on_remove(self, key: Key) -> None:
         super().on_remove(key)
         p, e = self._where[key]
-        self._res[p * self._E + e] = False
+        self._res_bytes[p * self._E + e] = 0
 
     def victims(self) -> Iterator[Key]:
         if self._lru:
@@ -427,11 +434,11 @@ class DensityPolicy(CoactPolicy):
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
         if not self._ranking_serves(cur):
             self._rank(cur, self._epoch)
-        res, E, layer_of = self._res, self._E, self._layers
-        offered: set[int] = set(self._since_rank)  # offered last, by their fresh densities
+        res, E, layer_of = self._res_bytes, self._E, self._layers
+        late = self._since_rank  # offered last, by their fresh densities
+        # (the head and the tail are disjoint parts of one ranking: nothing is offered twice)
         for flat in self._rank_head:
-            if res[flat] and flat not in offered:
-                offered.add(flat)
+            if res[flat] and flat not in late:
                 p, e = divmod(flat, E)
                 yield (layer_of[p], e)
         if self._rank_tail is not None:
@@ -440,15 +447,14 @@ class DensityPolicy(CoactPolicy):
                 tail = idx[tail[np.argsort(density[tail], kind="stable")]].tolist()
                 self._rank_tail = (density, idx, tail)
             for flat in tail:
-                if res[flat] and flat not in offered:
-                    offered.add(flat)
+                if res[flat] and flat not in late:
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
-        if self._since_rank:
-            late = np.array([f for f in dict.fromkeys(self._since_rank) if res[f]], dtype=np.int64)
-            if late.size:
-                density = self._densities_of(late, cur)
-                for flat in late[np.argsort(density, kind="stable")].tolist():
+        if late:
+            fresh = np.array([f for f in late if res[f]], dtype=np.int64)
+            if fresh.size:
+                density = self._densities_of(fresh, cur)
+                for flat in fresh[np.argsort(density, kind="stable")].tolist():
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
 
@@ -456,7 +462,7 @@ class DensityPolicy(CoactPolicy):
         """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
         lowest densities sorted, the rest only when a batch takes more (it takes a few)."""
         self._rank_epoch, self._rank_pos = epoch, cur
-        self._since_rank = []
+        self._since_rank = {}
         density, idx = self._densities(cur)
         first = min(RANK_FIRST, idx.size)
         if first < idx.size:
@@ -550,4 +556,5 @@ class DensityPolicy(CoactPolicy):
 
 
 __all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "DensityPolicy"]
+
 
