@@ -205,6 +205,7 @@ def test_paired_plays_every_arm_cold_token_by_token(
         assert len(row["token_ms"]) == 3 and min(row["token_ms"]) > 0
         # the engine's compute in the arm's tokens: part of each token's time
         assert 0 <= row["compute_ms_per_token"] <= sum(row["token_ms"]) / 3
+        assert 0 < row["loop_cpu_ms_per_token"] <= sum(row["token_ms"]) / 3 * 1.05  # one thread's CPU
     by = {(r["policy"], r["cycles"]): r for r in out["results"]}
     for c in (1.0, 4.0):
         assert by[("lru", c)]["paired_tokens_per_s_vs_first"] == 1.0
