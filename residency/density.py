@@ -432,7 +432,7 @@ class DensityPolicy(CoactPolicy):
         their own density: every resident key is offered, or a miss could wait for room that
         an unranked key holds."""
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
-        if not self._ranking_serves(cur):
+        if not self._ranking_serves(self._epoch, cur):
             self._rank(cur, self._epoch)
         res, E, layer_of = self._res_bytes, self._E, self._layers
         late = self._since_rank  # offered last, by their fresh densities
@@ -472,23 +472,23 @@ class DensityPolicy(CoactPolicy):
             head, self._rank_tail = np.arange(idx.size), None
         self._rank_head = idx[head[np.argsort(density[head], kind="stable")]].tolist()
 
-    def _ranking_serves(self, cur: int) -> bool:
-        """Whether the ranking at hand may serve the batch of epoch ``self._epoch`` at ``cur``:
+    def _ranking_serves(self, epoch: int, cur: int) -> bool:
+        """Whether the ranking at hand may serve the batch of ``epoch`` at position ``cur``:
         made for it, or (``_rerank`` > 1) for one of the ``_rerank - 1`` batches before it."""
-        age = self._epoch - self._rank_epoch
+        age = epoch - self._rank_epoch
         if self._rank_epoch < 0 or age < 0:
             return False
-        return age < self._rerank if self._rerank > 1 else self._rank_pos == cur
+        if self._rerank > 1:
+            return age < self._rerank
+        return age == 0 and self._rank_pos == cur
 
     def prepare(self) -> None:
         """Between batches, while the engine computes: the next position's ranking, so that
         its misses find their victims ranked (unless the ranking at hand still serves it:
         :data:`RERANK_MAX`)."""
         if not self._lru and self._L and self._batch_pos >= 0:
-            nxt = (self._batch_pos + 1) % self._L
-            epoch = self._epoch + 1
-            age = epoch - self._rank_epoch
-            if self._rank_epoch < 0 or not 0 <= age < self._rerank or self._rerank == 1:
+            nxt, epoch = (self._batch_pos + 1) % self._L, self._epoch + 1
+            if not self._ranking_serves(epoch, nxt):
                 self._rank(nxt, epoch)
 
     def _densities(self, cur: int) -> tuple[F64, I64]:
@@ -556,5 +556,3 @@ class DensityPolicy(CoactPolicy):
 
 
 __all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "DensityPolicy"]
-
-

@@ -197,6 +197,22 @@ def test_one_ranking_serves_as_many_batches_as_the_horizon_allows(cycles: int, s
     assert batches // serves <= len(calls) <= batches // serves + 1
 
 
+def test_a_ranking_serves_its_own_batch_or_the_few_after_it_and_never_a_stale_one() -> None:
+    """At one token cycle a ranking serves only the batch it was made for, not the same layer
+    a token later (its ages are a token old then); above, the ``_rerank`` batches from it."""
+    policy, _ = density(TD)
+    policy._rank_epoch, policy._rank_pos = 5, 2
+    policy._rerank = 1
+    assert policy._ranking_serves(5, 2)
+    assert not policy._ranking_serves(5 + len(SHAPE.layers), 2)  # a token later, same layer
+    assert not policy._ranking_serves(6, 3) and not policy._ranking_serves(4, 2)
+    policy._rerank = 2
+    assert policy._ranking_serves(5, 2) and policy._ranking_serves(6, 3)
+    assert not policy._ranking_serves(7, 0) and not policy._ranking_serves(4, 1)
+    policy._rank_epoch = -1
+    assert not policy._ranking_serves(5, 2)
+
+
 def test_an_expert_routed_since_the_ranking_is_offered_after_it() -> None:
     """A ranking that serves several batches placed an expert by its density when it was
     made; routed since, that place is stale (its age is 0 now), so it is offered only after
@@ -217,7 +233,7 @@ def test_an_expert_routed_since_the_ranking_is_offered_after_it() -> None:
         assert policy.end_batch() is not None
     policy.on_request(key, UNIT, True)  # a later batch routes it: a hit
     assert policy.end_batch() is not None  # its visit: age 0, one use more
-    assert policy._ranking_serves(layer)  # the ranking made a batch ago still serves this one
+    assert policy._ranking_serves(policy._epoch, layer)  # the ranking made a batch ago still serves this one
     order = list(policy.victims())
     assert len(order) == len(set(order)) == len(table)
     routed_since = {divmod(f, WIDE.n_expert) for f in policy._since_rank}
