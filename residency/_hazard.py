@@ -66,10 +66,10 @@ _AGES = np.arange(AGE_MAX, dtype=np.int64)
 _AGE_BIN_OF = age_bin(_AGES)
 _AGE_CELL_OF = _AGE_BIN_OF * COUNT_BINS
 """An age's row offset in the flat (age bin, count bin) cells: a lookup, not a log2 per expert."""
-_COUNTS_LOOKED_UP = 4096
-_COUNT_BIN_OF = count_bin(np.arange(_COUNTS_LOOKED_UP, dtype=np.float64))
-"""Count bins of the counts a run reaches (beyond, the last bin: ``count_bin`` saturates far
-below 4096)."""
+COUNTS_LOOKED_UP = 4096
+COUNT_BIN_OF = count_bin(np.arange(COUNTS_LOOKED_UP, dtype=np.float64))
+"""Count bins of the counts a run reaches, by lookup (beyond, the last bin: ``count_bin``
+saturates far below 4096)."""
 
 
 class HazardTable:
@@ -85,7 +85,7 @@ class HazardTable:
         # the bins by lookup (ages clipped to [0, AGE_MAX), counts to the table): the same cells
         # as age_bin(age) * COUNT_BINS + count_bin(count), for a third of the numpy work
         cell = _AGE_CELL_OF[np.clip(age, 0, AGE_MAX - 1)]
-        cell += _COUNT_BIN_OF[np.clip(count, 0, _COUNTS_LOOKED_UP - 1).astype(np.intp)]
+        cell += COUNT_BIN_OF[np.clip(count, 0, COUNTS_LOOKED_UP - 1).astype(np.intp)]
         size = AGE_BINS * COUNT_BINS
         self.exposed += np.bincount(cell, minlength=size).reshape(AGE_BINS, COUNT_BINS)
         self.used += np.bincount(cell[routed], minlength=size).reshape(AGE_BINS, COUNT_BINS)

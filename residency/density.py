@@ -71,7 +71,7 @@ import numpy.typing as npt
 
 from iosched._errors import require
 
-from ._hazard import AGE_MAX, HazardTable, count_bin
+from ._hazard import AGE_MAX, COUNT_BIN_OF, HazardTable, count_bin
 from ._policy import Key, ModelShape
 from .coact import CoactPolicy
 
@@ -114,7 +114,7 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
 
-_CBIN_OFFSETS: list[int] = (count_bin(np.arange(4096, dtype=np.float64)) * AGE_MAX).tolist()
+_CBIN_OFFSETS: list[int] = (COUNT_BIN_OF * AGE_MAX).tolist()
 """``count_bin(c) x AGE_MAX`` for the counts a run reaches (a lookup, not a numpy call)."""
 
 
@@ -425,9 +425,10 @@ class DensityPolicy(CoactPolicy):
         return self._ranked()
 
     def _ranked(self) -> Iterator[Key]:
-        """The resident experts, lowest density first, from the ranking made for the batch in
-        progress (by :meth:`prepare` while the engine computed on the batch before, or here
-        at its first eviction), each once.  Keys that left since are skipped; keys that came
+        """The resident experts, lowest density first, from the ranking that serves the batch
+        in progress (made by :meth:`prepare` while the engine computed on the batch before, or
+        here at its first eviction; above one token cycle, up to :data:`RERANK_MAX` - 1
+        batches earlier), each once.  Keys that left since are skipped; keys that came
         since (the batch's own loads, once published and released; a prefetch) follow, by
         their own density: every resident key is offered, or a miss could wait for room that
         an unranked key holds."""

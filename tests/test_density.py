@@ -123,29 +123,8 @@ def test_prompt_rows_are_visits_of_their_layer() -> None:
     assert int(policy._dv[0]) == 3
 
 
-def test_prepare_ranks_the_next_batch_so_its_misses_find_it_ranked() -> None:
-    policy, table = density(TD)
-    drive(table, routed_tokens(4))
-    calls = []
-    real = policy._densities
-
-    def counting(cur: int) -> tuple[np.ndarray, np.ndarray]:
-        calls.append(cur)
-        return real(cur)
-
-    policy._densities = counting  # type: ignore[method-assign]
-    for e in (0, 1):
-        hit = table.get((0, e)) is not None
-        policy.on_request((0, e), UNIT, hit)
-    assert policy.end_batch() is not None
-    policy.prepare()
-    assert calls == [1]  # ranked for layer 1, while the engine computes on layer 0
-    policy.on_request((1, 7), UNIT, table.get((1, 7)) is not None)
-    list(policy.victims())
-    assert calls == [1]  # layer 1's miss used it
-
-
 def _count_rankings(policy: DensityPolicy) -> list[int]:
+    """The positions ``policy`` ranks for from now on (its ``_densities``, counted)."""
     calls: list[int] = []
     real = policy._densities
 
@@ -155,6 +134,21 @@ def _count_rankings(policy: DensityPolicy) -> list[int]:
 
     policy._densities = counting  # type: ignore[method-assign]
     return calls
+
+
+def test_prepare_ranks_the_next_batch_so_its_misses_find_it_ranked() -> None:
+    policy, table = density(TD)
+    drive(table, routed_tokens(4))
+    calls = _count_rankings(policy)
+    for e in (0, 1):
+        hit = table.get((0, e)) is not None
+        policy.on_request((0, e), UNIT, hit)
+    assert policy.end_batch() is not None
+    policy.prepare()
+    assert calls == [1]  # ranked for layer 1, while the engine computes on layer 0
+    policy.on_request((1, 7), UNIT, table.get((1, 7)) is not None)
+    list(policy.victims())
+    assert calls == [1]  # layer 1's miss used it
 
 
 def _batch_end(policy: DensityPolicy, table: ResidencyTable, layer: int, experts: list[int]) -> None:
