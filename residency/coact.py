@@ -203,6 +203,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._retired = False
         """LRU alone from here on (:meth:`_retire`): the trial turned the prefetch off for
         good and no engine lookahead was seen."""
+        self._guessing = True
+        """Whether a guess may still be admitted (the prefetch is on or on trial, or the
+        engine passes its lookahead): else the stale victims' reuse, which only the guard
+        reads, is not measured (``density`` keeps its ranking after the prefetch is off)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -237,6 +241,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._resident_in = [0] * self._L
         self._reused = self._k / self._E
         self._width = self._k if self._width_setting is None else self._width_setting
+        self._guessing = bool(self._width) or self._engine_seen
 
     def adopt(self, resident: Sequence[tuple[Key, int]], visits: Sequence[int],
               coactivation: CoActivation, popularity: npt.NDArray[np.float64],
@@ -336,7 +341,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """A request at another layer position (or repeating an expert): the batch in
         progress ends and one at ``p`` begins."""
         decode = self._close_batch()
-        now = self._now
+        now = self._now if self._trial is not None else None  # only the trial reads the time
         if now is not None:
             if self._gap_start is not None:
                 self._tok_gaps_s += now() - self._gap_start
@@ -468,6 +473,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 f"it a token took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) beyond what "
                 f"its routing explains (standard error {se * 1e3:.1f} ms)")
         if not on and not self._engine_seen:
+            self._guessing = False
+            self._ghosts.clear()
             self._retire()
             if self._retired:  # (``density`` keeps its ranking: it does not retire here)
                 self._verdict += "; LRU alone from here on"
@@ -539,7 +546,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             self._guessed_p += guess
         p = self._pos_of(key)
         self._resident_in[p] -= 1
-        if used < self._visits[p] and not self._retired:  # stale: remember it, to measure what evicting one costs
+        if used < self._visits[p] and self._guessing:  # stale: remember it, to measure what evicting one costs
             self._ghosts[key] = self._visits[p]
             if len(self._ghosts) > max(len(self._order), 1):
                 self._ghosts.popitem(last=False)
@@ -560,7 +567,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         batch, pos = self._batch, self._batch_pos
         if not batch:
             return []
-        if self._now is not None:
+        if self._now is not None and self._trial is not None:
             self._gap_start = self._now()  # the engine computes from here to the next batch
         if self._proposed:
             self._proposed.clear()
@@ -633,6 +640,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         the engine's own estimates are issued without it)."""
         self._engine_seen = True
         self._retired = False
+        self._guessing = True
         pos = self._pos.get(layer)
         if pos is not None and probabilities.shape == (self._E,):
             self._expected[pos] = probabilities
@@ -716,6 +724,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         require(self.calibration > 0.0, "coact: the calibration is not positive")
         require(not self._retired or (self._trial is None and not self._prefetching),
                 "coact: retired with the trial running or the prefetch on")
+        require(self._guessing or not self._ghosts, "coact: stale victims remembered with no guess to weigh")
 
 
 __all__ = ["REUSE_MEMORY", "CoactPolicy"]

@@ -177,7 +177,8 @@ class DensityPolicy(CoactPolicy):
         self._lru_reason: str | None = None
         self._overruled = False
         """Whether the shadow overruled the ranking (the verdict says so)."""
-        self._shadow: OrderedDict[Key, int] = OrderedDict()
+        self._shadow: OrderedDict[int, int] = OrderedDict()
+        """The LRU shadow: flat indices, oldest use first, and their bytes."""
         self._shadow_held = 0
         self._shadow_misses = 0
         self._used = 0
@@ -191,6 +192,9 @@ class DensityPolicy(CoactPolicy):
         """The epoch whose batch's visit ``end_batch`` applied (``_close_batch`` then does not)."""
         self._rank_head: list[int] = []
         """The batch's ranking: flat indices of its :data:`RANK_FIRST` lowest densities, in order."""
+        self._head_at = 0
+        """Where the head's keys still to offer begin: those before left the resident set or
+        joined :attr:`_since_rank` since the ranking, and stay out of it until the next."""
         self._rank_tail: tuple[F64, I64, I64 | list[int]] | None = None
         """The rest: unsorted until first needed, then in order."""
         self._since_rank: dict[int, None] = {}
@@ -314,31 +318,34 @@ class DensityPolicy(CoactPolicy):
     def _shadow_batch(self, pos: int, batch: list[int]) -> None:
         """The batch through the LRU shadow: its hits first, then its misses, each evicting
         the oldest key outside the batch (the store leases a batch's hits before its misses
-        evict)."""
-        shadow, layer = self._shadow, self._layers[pos]
-        keys = [(layer, e) for e in batch]
+        evict).  Keys are flat indices (position x E + expert): no tuple is made per request."""
+        shadow, base = self._shadow, pos * self._E
         missed = []
-        for key in keys:
-            if key in shadow:
-                shadow.move_to_end(key)
+        for e in batch:
+            flat = base + e
+            if flat in shadow:
+                shadow.move_to_end(flat)
             else:
-                missed.append(key)
+                missed.append(flat)
         if not missed:
             return
         self._shadow_misses += len(missed)
-        nbytes, budget = self._expert_bytes[pos], self._budget
-        inside = set(keys)
-        for key in missed:
+        nbytes, budget, held = self._expert_bytes[pos], self._budget, self._shadow_held
+        inside = {base + e for e in batch}
+        for flat in missed:
             if budget is not None:
-                while self._shadow_held + nbytes > budget:
-                    victim = next((k for k in shadow if k not in inside), None)
+                while held + nbytes > budget and shadow:
+                    victim: int | None = next(iter(shadow))  # the oldest, unless the batch is all it holds
+                    if victim in inside:
+                        victim = next((k for k in shadow if k not in inside), None)
                     if victim is None:
                         break
-                    self._shadow_held -= shadow.pop(victim)
-                if self._shadow_held + nbytes > budget:
+                    held -= shadow.pop(victim)
+                if held + nbytes > budget:
                     continue  # no room beside the batch: served transiently, as the table does
-            shadow[key] = nbytes
-            self._shadow_held += nbytes
+            shadow[flat] = nbytes
+            held += nbytes
+        self._shadow_held = held
 
     def _token_end(self) -> None:
         """A decode token's last layer: its visits' exposures into the hazard table (one
@@ -438,7 +445,11 @@ class DensityPolicy(CoactPolicy):
         res, E, layer_of = self._res_bytes, self._E, self._layers
         late = self._since_rank  # offered last, by their fresh densities
         # (the head and the tail are disjoint parts of one ranking: nothing is offered twice)
-        for flat in self._rank_head:
+        head, at = self._rank_head, self._head_at
+        while at < len(head) and (not res[head[at]] or head[at] in late):
+            at += 1  # gone (evicted) or offered late until the next ranking: for good
+        self._head_at = at
+        for flat in head[at:] if at else head:
             if res[flat] and flat not in late:
                 p, e = divmod(flat, E)
                 yield (layer_of[p], e)
@@ -472,6 +483,7 @@ class DensityPolicy(CoactPolicy):
         else:
             head, self._rank_tail = np.arange(idx.size), None
         self._rank_head = idx[head[np.argsort(density[head], kind="stable")]].tolist()
+        self._head_at = 0
 
     def _ranking_serves(self, epoch: int, cur: int) -> bool:
         """Whether the ranking at hand may serve the batch of ``epoch`` at position ``cur``:

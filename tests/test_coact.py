@@ -304,6 +304,26 @@ def test_the_trial_turns_off_a_prefetch_that_slows_the_tokens() -> None:
     assert verdict.endswith("LRU alone from here on") and policy.end_batch() is None  # retired
 
 
+def test_once_no_guess_can_be_admitted_no_stale_victim_is_remembered() -> None:
+    """The stale victims' reuse is the guard's measure, and the guard weighs only guesses:
+    ``density`` keeps its ranking after the trial turned the prefetch off, and then stops
+    remembering stale victims, until the engine passes its own lookahead."""
+    policy = make_policy("density")
+    assert isinstance(policy, CoactPolicy)
+    policy.set_shape(SHAPE)
+    table = ResidencyTable(TD, policy)
+    drive(table, routed_tokens(6))
+    assert policy._guessing and policy._ghosts  # the prefetch on: stale evictions counted
+    policy._end_trial(False, [0.01, 0.02, 0.01], 0.005)
+    assert not policy._guessing and not policy._ghosts
+    assert policy.end_batch() is not None  # the ranking goes on (not retired)
+    drive(table, routed_tokens(4, seed=3))
+    assert not policy._ghosts
+    policy.check(set(table._entries))
+    policy.on_expect(SHAPE.layers[0], np.full(SHAPE.n_expert, 0.5))
+    assert policy._guessing
+
+
 def test_the_trial_turns_off_a_prefetch_that_slows_the_demand_reads() -> None:
     """The time between batches unchanged, but each layer's misses wait longer on the tokens
     that prefetch (the prefetch's reads ahead of the demand reads on the drive): off."""

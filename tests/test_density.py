@@ -258,6 +258,28 @@ def test_every_resident_expert_is_offered_once_also_those_come_after_the_ranking
     assert set(order) == {entry.key for entry in table._entries.values()}
 
 
+def test_what_left_the_ranking_or_came_back_is_skipped_from_its_head_for_good() -> None:
+    """The misses of the batches a ranking serves take its head in order: the ones it
+    evicted are passed over once (a cursor), not again at every later miss, and one that
+    comes back (loaded again) is offered after the ranking, by its fresh density."""
+    policy, table = density(2 * TD)
+    drive(table, routed_tokens(6))
+    assert policy.eviction == "density" and policy._rerank == 2
+    policy._rank_epoch = -1
+    first = list(policy.victims())[:4]  # ranked now: the head's first four
+    for key in first[:3]:
+        table.evict(table._entries[key])
+    order = list(policy.victims())
+    assert order[0] == first[3] and policy._head_at == 3
+    assert len(order) == len(set(order)) == len(table)
+    back = table.reserve(first[0], UNIT)  # loaded again
+    assert back is not None
+    table.publish(back)
+    order = list(policy.victims())
+    assert policy._head_at == 3 and order[-1] == first[0] and order[0] == first[3]
+    policy.check(set(table._entries))
+
+
 def test_check_catches_a_resident_mask_out_of_step() -> None:
     policy, table = density(TD)
     drive(table, routed_tokens(3))
