@@ -45,6 +45,10 @@ class Caps(enum.Flag):
     """Completions arrive on the event loop without a thread per read (io_uring)."""
     ZERO_COPY = enum.auto()
     """Views point into the backend's own memory (mmap) rather than a slab."""
+    TURN_BATCHED = enum.auto()
+    """The reads started in one turn of the event loop reach the device together, at the next
+    turn (one ``io_uring_enter`` for all of them, scheduled with ``call_soon``): an engine that
+    computes on the loop right after starting reads must let the loop turn once more first."""
 
 
 class Backend(Protocol):

@@ -209,7 +209,7 @@ class UringBackend(DirectFilesOwner):
     so that ``caps`` (a class attribute in the protocol) always describes the instance."""
 
     name: ClassVar[str] = "uring"
-    caps: ClassVar[Caps] = Caps.NATIVE_ASYNC | Caps.DIRECT
+    caps: ClassVar[Caps] = Caps.NATIVE_ASYNC | Caps.DIRECT | Caps.TURN_BATCHED
 
     def __new__(cls, direct: bool = True, entries: int = 64) -> UringBackend:
         klass: type[UringBackend] = BufferedUringBackend if cls is UringBackend and not direct else cls
@@ -314,7 +314,7 @@ class UringBackend(DirectFilesOwner):
 class BufferedUringBackend(UringBackend):
     """io_uring reads through the page cache (``UringBackend(direct=False)``)."""
 
-    caps: ClassVar[Caps] = Caps.NATIVE_ASYNC
+    caps: ClassVar[Caps] = Caps.NATIVE_ASYNC | Caps.TURN_BATCHED
 
 
 def _sysctl_note() -> str:

@@ -73,6 +73,7 @@ class Acquirer:
         self.felt_wait_s = 0.0
         self._waiting = 0
         """Acquires waiting now; the felt wait runs while it is above zero."""
+        prefetcher.engine_waiting = lambda: self._waiting > 0
         self._wait_since = 0.0
 
     def layout_of(self, key: ExpertKey) -> ExpertLayout:
@@ -223,6 +224,13 @@ class Acquirer:
             return cast("list[Entry | BaseException]", out)
         finally:
             self._wait_ends()
+
+    async def submitted(self) -> None:
+        """Return once the loads started in this step have reached the device: as many turns
+        of the event loop as the backend takes (``Loader.submit_turns``), so that an engine
+        about to compute on the loop does not hold its reads back until its next await."""
+        for _ in range(self._loader.submit_turns):
+            await asyncio.sleep(0)
 
     def start_group(self, layouts: list[ExpertLayout]) -> GroupWait:
         """Start (or join) the load of each of ``layouts`` in the caller's step and return

@@ -55,6 +55,9 @@ class LeaseSource(Protocol):
     def start_group(self, layouts: list[ExpertLayout]) -> PendingGroup:
         """Start (or join) the loads of ``layouts``, the acquires :meth:`try_hit` missed."""
 
+    async def submitted(self) -> None:
+        """Return once the loads just started have reached the device."""
+
     def release(self, entry: Entry) -> None:
         """End one lease of ``entry``."""
 
@@ -179,9 +182,10 @@ class ArrivalGroup:
     ``__anext__`` after the batch that held the others finished with it; iterating on yields
     the rest.  The policy's batch-end work is scheduled on entry, once every load of the group
     started, and runs at the engine's next await (its compute in a thread, or its wait for
-    the next batch).  The felt wait counts only the awaits of ``__anext__``.  Entering yields
-    to the loop once when some experts are at hand and others missed, so that their reads are
-    submitted before an engine that computes on the loop starts on the first batch.
+    the next batch).  The felt wait counts only the awaits of ``__anext__``.  Entering lets
+    the loop turn when some experts are at hand and others missed (once, twice on a backend
+    that submits a turn's reads at the next: ``LeaseSource.submitted``), so that their reads
+    are submitted before an engine that computes on the loop starts on the first batch.
 
     Why: ``acquire_many`` holds the engine until a layer's slowest read is in, with every
     resident expert of that layer ready to compute.  Computing those meanwhile takes the reads
@@ -221,13 +225,15 @@ class ArrivalGroup:
             try:
                 self._group = source.start_group(missed)
                 if first:
-                    # One turn of the loop before the engine gets the experts at hand: the
-                    # loads just started are tasks, and an engine that computes on the loop
-                    # would hold them unsubmitted until its next await, its reads then
-                    # following its compute instead of beside it (docs/benchmarks.md,
-                    # "Compute on what is at hand").  Only while some experts are at hand:
-                    # else the engine's first ``__anext__`` awaits at once.
-                    await asyncio.sleep(0)
+                    # The loop turns before the engine gets the experts at hand: the loads
+                    # just started are tasks (and io_uring submits a turn's reads at the next
+                    # turn), and an engine that computes on the loop would hold them
+                    # unsubmitted until its next await, its reads then following its compute
+                    # instead of beside it (docs/benchmarks.md, "Compute on what is at hand";
+                    # with io_uring one turn left them queued: the felt wait 3x, session 33).
+                    # Only while some experts are at hand: else the engine's first
+                    # ``__anext__`` awaits at once.
+                    await source.submitted()
             except BaseException:
                 await self._abandon()
                 raise

@@ -65,6 +65,10 @@ class Loader:
         self._table = table
         self._io = io
         self._zero_copy = io.zero_copy
+        self.submit_turns = 2 if io.backend.caps & backends.Caps.TURN_BATCHED else 1
+        """Turns of the event loop from starting a load to its read reaching the device: one
+        for the load's task to hand the read to the backend, one more where the backend
+        gathers a turn's reads into one submission (``Caps.TURN_BATCHED``)."""
         self._ledger = ledger
         self._room = room
         self.pool = SlabPool()

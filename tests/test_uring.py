@@ -106,9 +106,10 @@ async def test_probe_survives_a_crashing_binding(tmp_path: Path, monkeypatch: py
 
 
 async def test_caps_and_classes() -> None:
-    assert type(UringBackend()) is UringBackend and UringBackend.caps == Caps.NATIVE_ASYNC | Caps.DIRECT
+    assert (type(UringBackend()) is UringBackend
+            and UringBackend.caps == Caps.NATIVE_ASYNC | Caps.DIRECT | Caps.TURN_BATCHED)
     buffered = UringBackend(direct=False)
-    assert type(buffered) is BufferedUringBackend and buffered.caps == Caps.NATIVE_ASYNC
+    assert type(buffered) is BufferedUringBackend and buffered.caps == Caps.NATIVE_ASYNC | Caps.TURN_BATCHED
     assert UringBackend.name == BufferedUringBackend.name == "uring"
 
 
