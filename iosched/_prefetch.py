@@ -47,12 +47,16 @@ def release_gil() -> None:
     its holder lets go (CPython forces a switch only after ``sys.getswitchinterval()``, 5 ms),
     so one uninterrupted stretch of Python on the loop holds the compute up for its whole
     length.  Measured on the 2-core VM: a thread of matvecs beside 300 us of Python every 2 ms
-    took 10-13 % longer, 1 % when the same Python let go every 100 us.
+    took 10-13 % longer, 1 % when the same Python let go every 100 us.  In paired real runs
+    (qwen, 32 tokens, compute in a thread, session 33) ``default``'s token time outside its
+    compute and felt wait exceeded ``lru``'s by 4-9 ms with the hand-over against 10-20 ms
+    without (io_uring, 1 and 4 TD), and was 1.5-6.5 ms shorter with it (O_DIRECT threads).
 
     Only while no acquire waits (``Prefetcher.engine_waiting``): with the engine computing on
     the loop, the batch-end work runs while the engine awaits its reads, and there each
     hand-over let the readers' threads take the GIL first and delayed waking the engine (the
-    felt wait 13 ms a token longer, qwen, 4 TD, session 33)."""
+    felt wait 13 ms a token longer, qwen, 4 TD, O_DIRECT: 0.93x ``lru`` against 0.97x
+    without; with the condition 0.97x, session 33, docs/residency-notebook.md)."""
     time.sleep(0)
 
 

@@ -324,6 +324,37 @@ def test_once_no_guess_can_be_admitted_no_stale_victim_is_remembered() -> None:
     assert policy._guessing
 
 
+def test_a_token_whose_batch_ends_did_not_run_prices_no_miss() -> None:
+    """An engine computing on the loop gives the loop no turn after a batch of hits, so its
+    batch-end work (where the time between batches starts) does not run there: the token's
+    compute would count as its misses' time.  Tokens with and without the prefetch taking
+    the same time, the prefetch's used loads must then not look like misses it saved."""
+    policy = coact()
+    clock = [0.0]
+    policy.set_clock(lambda: clock[0])
+    rng = np.random.default_rng(3)
+    for t in range(2 * TRIAL_PAIRS + 4):
+        on = policy.prefetching
+        for layer in SHAPE.layers:
+            policy.on_request((layer, t % 8), UNIT, True)
+            second = (layer, (t + 3) % 8)
+            if layer % 2:  # a miss, felt 1 ms; the engine awaits it: the batch-end work runs
+                policy.on_request(second, UNIT, False)
+                clock[0] += 0.001
+                policy.end_batch()
+            elif on:  # a used prefetch (a hit): no await, no batch-end work
+                policy._proposed[second] = (0.5, 0.5)
+                assert policy.admit_prefetch(second, UNIT, ())  # into free bytes
+                policy.on_request(second, UNIT, True)
+            else:  # resident anyway
+                policy.on_request(second, UNIT, True)
+            clock[0] += 0.005 + float(rng.uniform(-1e-4, 1e-4))  # the compute, on the loop
+    verdict = str(policy.cost_verdict)
+    assert verdict.startswith("prefetch "), verdict
+    measured = float(verdict.split("took ")[1].split(" ms")[0])
+    assert abs(measured) < 0.5, verdict  # the tokens' own difference: none
+
+
 def test_the_trial_turns_off_a_prefetch_that_slows_the_demand_reads() -> None:
     """The time between batches unchanged, but each layer's misses wait longer on the tokens
     that prefetch (the prefetch's reads ahead of the demand reads on the drive): off."""
