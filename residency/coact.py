@@ -206,10 +206,6 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._retired = False
         """LRU alone from here on (:meth:`_retire`): the trial turned the prefetch off for
         good and no engine lookahead was seen."""
-        self._guessing = True
-        """Whether a guess may still be admitted (the prefetch is on or on trial, or the
-        engine passes its lookahead): else the stale victims' reuse, which only the guard
-        reads, is not measured (``density`` keeps its ranking after the prefetch is off)."""
 
     # ------------------------------------------------------------------ set-up
 
@@ -232,6 +228,13 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """Whether the coming batch ends may propose prefetches."""
         return self._prefetching and bool(self._width)
 
+    @property
+    def _guessing(self) -> bool:
+        """Whether a guess may still be admitted: the prefetch is on or on trial, or the engine
+        passes its lookahead.  Else the stale victims' reuse, which only the guard reads, is
+        not measured (``density`` keeps its ranking after the prefetch is off)."""
+        return self._engine_seen or (bool(self._width) and (self._prefetching or self._trial is not None))
+
     def set_shape(self, shape: ModelShape) -> None:
         self._layers = tuple(shape.layers)
         self._pos = {layer: i for i, layer in enumerate(self._layers)}
@@ -244,7 +247,6 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._resident_in = [0] * self._L
         self._reused = self._k / self._E
         self._width = self._k if self._width_setting is None else self._width_setting
-        self._guessing = bool(self._width) or self._engine_seen
 
     def adopt(self, resident: Sequence[tuple[Key, int]], visits: Sequence[int],
               coactivation: CoActivation, popularity: npt.NDArray[np.float64],
@@ -489,8 +491,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
                 f"it a token took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) beyond what "
                 f"its routing explains (standard error {se * 1e3:.1f} ms)")
         if not on and not self._engine_seen:
-            self._guessing = False
-            self._ghosts.clear()
+            self._ghosts.clear()  # no guess to weigh from here on (_guessing)
             self._retire()
             if self._retired:  # (``density`` keeps its ranking: it does not retire here)
                 self._verdict += "; LRU alone from here on"
@@ -656,7 +657,6 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         the engine's own estimates are issued without it)."""
         self._engine_seen = True
         self._retired = False
-        self._guessing = True
         pos = self._pos.get(layer)
         if pos is not None and probabilities.shape == (self._E,):
             self._expected[pos] = probabilities
