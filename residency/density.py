@@ -14,13 +14,18 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   visit of a layer each of its experts adds an exposure to its (age, count) class and a use
   when routed; a prompt's router rows (``on_routing``) count as visits too.  The exposures of
   a token are added at its end, in one ``bincount`` (its visits' ages are kept per batch).
-- **Density** (LHD, Beckmann et al., NSDI 2018, with the layer cycle): an expert of the layer
-  ``d`` visits ahead (``d = L`` for the layer in progress) is worth
-  ``P(routed within h visits) / ((d + L x E[unused visits]) x bytes)``; victims go lowest
-  density first.  The horizon ``h`` is the budget in token cycles (at least 1): under LRU an
-  expert stays about that many visits of its layer, so it is the span over which holding it
-  can pay (an offline model of the as-ready layer, session 29: a horizon of 4 at one token
-  cycle lost 2-4 points of hits on the synthetic traces against LRU, one of 1 lost 0-1).
+- **Density** (LHD, Beckmann et al., NSDI 2018, with the layer cycle, weighed by the time a
+  miss costs): an expert of the layer ``d`` visits ahead (``d = L`` for the layer in
+  progress) is worth ``P(routed within h visits) x (bytes + B0) / ((d + L x E[unused
+  visits]) x bytes)``; victims go lowest density first.  ``bytes + B0`` is the time its miss
+  would cost, a request's latency plus its transfer, in bytes at the drive's bandwidth
+  (:data:`MISS_FIXED_BYTES`), so the density is the critical-path time a held byte saves:
+  LHD's per-object density (``/ bytes``) for experts far smaller than ``B0``, size-neutral
+  (bytes saved per byte held) for experts far larger.  The horizon ``h`` is the budget in
+  token cycles (at least 1): under LRU an expert stays about that many visits of its layer,
+  so it is the span over which holding it can pay (an offline model of the as-ready layer,
+  session 29: a horizon of 4 at one token cycle lost 2-4 points of hits on the synthetic
+  traces against LRU, one of 1 lost 0-1).
 - **The LRU shadow** (keys and sizes only, the store's semantics: a batch's hits first, then
   its misses evicting the oldest): every request runs through it too.  From the
   :data:`MIN_TOKENS`-th decode token on, when this policy's misses (plus its used prefetches,
@@ -106,6 +111,17 @@ tables barely move between refreshes (and the exposures are still counted every 
 Measured with the hit-rate replay, eviction only (5 traces, 0.5-8 TD, session 32): decode
 hits within 0.1 point of refreshing every token."""
 
+MISS_FIXED_BYTES = 256 << 10
+"""``B0``: a miss's fixed cost (the request's latency) in bytes at the drive's bandwidth, the
+size at which an expert's read is half latency, half transfer.  An NVMe read's ~80 us at
+3 GB/s is 240 KB; this project's virtio disk paced to 400 MB/s, with a depth-1 latency of
+385-454 us (``iosched topology --probe``, docs/benchmarks.md), 154-182 KB.  The policy is not
+told the drive, and the order barely depends on the value where experts are MiBs: the
+hit-rate replay (eviction only, 7 traces, 0.5-8 TD, session 36) moved the same bytes within
+0.3 % with ``B0`` = 0 and 256 KiB, and 0.1-2.0 % fewer than ``/ bytes`` alone (``B0`` = inf)
+where the layers' sizes differ (the bundled traces: two sizes each, a GGUF Q4_K_M's mix).
+Where every layer's experts have the same size the factor is a constant and left out."""
+
 MIN_TOKENS = 3
 """Decode tokens before the guard may decide: the fewest over which a count of misses
 differs by more than the routing's noise (``coact``'s trial waits as many pairs)."""
@@ -162,13 +178,15 @@ class DensityPolicy(CoactPolicy):
         """``[cur, p]``: layer steps from a batch at position ``cur`` to position ``p``'s next
         visit (``L`` for ``cur`` itself)."""
         self._uniform = True
-        """Every layer's experts have the same bytes: the density's division by them is left
-        out (a constant factor: the order, which is all a ranking uses, stays)."""
+        """Every layer's experts have the same bytes: the density's size factor is left out
+        (a constant: the order, which is all a ranking uses, stays)."""
         self._horizon = 1
         self._rerank = 1
         """Batches one ranking serves: ``min(horizon, RERANK_MAX)``."""
         self._layer_of: I64 = np.zeros(0, dtype=np.int64)
-        self._bytes_of: F64 = np.zeros(0)
+        self._held_per_step: F64 = np.zeros(0)
+        """Per layer position: ``bytes / (bytes + B0)``, what a layer step of holding one of
+        its experts costs per unit of miss time it saves (module docstring, "Density")."""
         self._pos_flat: I64 = np.zeros(0, dtype=np.int64)
         """Flat index -> layer position."""
         self._rows_seen: list[bool] = []
@@ -216,7 +234,8 @@ class DensityPolicy(CoactPolicy):
         self._res_bytes = bytearray(L * E)
         self._res = np.frombuffer(self._res_bytes, dtype=np.bool_)
         self._layer_of = np.array(self._layers, dtype=np.int64)
-        self._bytes_of = np.array(self._expert_bytes, dtype=np.float64)
+        sizes = np.array(self._expert_bytes, dtype=np.float64)
+        self._held_per_step = sizes / (sizes + MISS_FIXED_BYTES)
         self._pos_flat = np.repeat(np.arange(L, dtype=np.int64), E)
         steps = np.arange(L)
         self._ahead = ((steps[None, :] - steps[:, None] - 1) % L + 1).astype(np.float64)
@@ -510,15 +529,15 @@ class DensityPolicy(CoactPolicy):
 
     def _densities_of(self, idx: I64, cur: int) -> F64:
         """The densities of the experts at flat indices ``idx`` for a batch at position
-        ``cur``: the module docstring's formula, per byte; where every layer's experts have
-        the same size, times that size (:attr:`_uniform`: the same order)."""
+        ``cur``: the module docstring's formula; where every layer's experts have the same
+        size, without its size factor (:attr:`_uniform`: the same order)."""
         pos = self._pos_flat[idx]
         age = np.minimum((self._dv - 1)[pos] - self._last.reshape(-1)[idx], AGE_MAX - 1)
         cls = age + self._cbin.reshape(-1)[idx]
         ahead = self._ahead[cur][pos]  # visits of layers until its next chance; L for this one
         held = ahead + self._extra_flat[cls]  # layer steps it would hold its bytes for
         if not self._uniform:  # (where every size is the same, a constant: see _uniform)
-            held *= self._bytes_of[pos]
+            held *= self._held_per_step[pos]
         density: F64 = self._phit_flat[cls] / held
         return density
 
@@ -568,4 +587,4 @@ class DensityPolicy(CoactPolicy):
                 "density: the LRU shadow holds more than the budget")
 
 
-__all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "DensityPolicy"]
+__all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "MISS_FIXED_BYTES", "DensityPolicy"]

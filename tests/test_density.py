@@ -13,7 +13,7 @@ from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
 from iosched.residency.coact import CoactPolicy
-from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, RERANK_MAX, DensityPolicy
+from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, MISS_FIXED_BYTES, RERANK_MAX, DensityPolicy
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import routed_tokens
@@ -302,10 +302,10 @@ def test_the_store_runs_the_default_and_every_view_has_the_checkpoints_bytes(st_
 
 
 def test_its_ranking_is_the_documented_density_expert_by_expert() -> None:
-    """The numbers the ranking sorts are ``P(routed within h) / ((d + L x extra) x bytes)``
-    of each resident expert, recomputed here one expert at a time from the hazard table
-    (times the one expert size when every layer's is the same: a constant, so the same
-    order), with layers of equal and of different sizes."""
+    """The numbers the ranking sorts are ``P(routed within h) x (bytes + B0) / ((d + L x
+    extra) x bytes)`` of each resident expert, recomputed here one expert at a time from the
+    hazard table (without the size factor when every layer's size is the same: a constant,
+    so the same order), with layers of equal and of different sizes."""
     for sizes in ({0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT}, {0: UNIT, 1: 3 * UNIT, 2: 2 * UNIT, 3: UNIT}):
         shape = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2, expert_bytes=sizes)
         policy = DensityPolicy(0)
@@ -323,6 +323,7 @@ def test_its_ranking_is_the_documented_density_expert_by_expert() -> None:
                 age = min(int(policy._dv[p]) - 1 - int(policy._last[p, e]), AGE_MAX - 1)
                 c = int(count_bin(np.array([policy._count[p, e]]))[0])
                 ahead = (p - cur - 1) % 4 + 1
-                want.append(phit[age, c] / ((ahead + 4 * extra[age, c]) * sizes[p]))
-            scale = UNIT if len(set(sizes.values())) == 1 else 1
+                want.append(phit[age, c] * (sizes[p] + MISS_FIXED_BYTES)
+                            / ((ahead + 4 * extra[age, c]) * sizes[p]))
+            scale = UNIT / (UNIT + MISS_FIXED_BYTES) if len(set(sizes.values())) == 1 else 1
             np.testing.assert_allclose(got, np.array(want) * scale, rtol=1e-12)
