@@ -210,6 +210,13 @@ CALIBRATION_ROWS = 16
 """Rows per expert of the calibration's multi-row case (a prefill batch's order of size)."""
 CALIBRATION_REPS = 7
 """Timed repetitions per case (median), after one untimed warm-up."""
+CALIBRATION_PASSES = 5
+"""Passes over the three cases, interleaved; each case's time is the median of its passes'
+medians.  Why: the development VMs' compute speed drifts by a fifth or more from minute to
+minute and has slow stretches of seconds (session 36, the Intel Xeon VM: one calibration read
+0.94 ms a MiB where the others, minutes apart, read 0.37-0.51, and the critical-path
+prediction of that round missed its felt wait by 43-50 %); one pass of ~0.3 s samples one
+stretch, five interleaved ones outvote it."""
 CALIBRATION_SPAN = 96 << 20
 """Bytes of distinct experts the calibration cycles through, so that every layer computes on
 weights the CPU caches do not hold, as an engine's freshly read experts are: well above the
@@ -227,7 +234,8 @@ def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16",
     """:class:`ComputeModel` of the real numpy compute (:meth:`Compute.run_layer`, one BLAS
     thread) on this machine, for experts of ``gate``/``up`` ``[intermediate, hidden]`` in
     ``dtype``: medians of one expert on one row, ``k`` experts on one row and ``k`` experts on
-    :data:`CALIBRATION_ROWS` rows each, solved for the fixed, per-byte and per-byte-row terms.
+    :data:`CALIBRATION_ROWS` rows each (over :data:`CALIBRATION_PASSES` interleaved passes),
+    solved for the fixed, per-byte and per-byte-row terms.
     Each repetition takes the next experts of a pool of :data:`CALIBRATION_SPAN` bytes (cold
     in the CPU caches).  ``contend``: a file on the drive, read with O_DIRECT by
     ``contend_depth`` threads (an expert's size a read, random offsets, as the store's
@@ -277,7 +285,8 @@ def calibrate(hidden: int, intermediate: int, k: int, dtype: str = "bfloat16",
             return statistics.median(times)
 
         median(k, CALIBRATION_ROWS)  # warm-up: the workspace, BLAS's buffers, the pool's pages
-        t1, tk, tkr = median(1, 1), median(k, 1), median(k, CALIBRATION_ROWS)
+        passes = [(median(1, 1), median(k, 1), median(k, CALIBRATION_ROWS)) for _ in range(CALIBRATION_PASSES)]
+        t1, tk, tkr = (statistics.median(case) for case in zip(*passes, strict=True))
         io_slowdown = 0.0
         if contend is not None:  # interleaved, long enough for the readers' scheduling to show
             ratios = []
