@@ -39,8 +39,12 @@ from ._stats import RequestCounts
 
 
 def release_gil() -> None:
-    """Let the threads waiting for the GIL run (``time.sleep(0)`` releases it: one syscall,
-    about a microsecond when nobody waits).
+    """Let the threads waiting for the GIL run (``time.sleep(0)`` releases it: one
+    ``clock_nanosleep`` of zero, which the kernel's timer slack stretches: 88-95 us on the
+    2-vCPU Intel Xeon VM, 25 us with ``PR_SET_TIMERSLACK`` at 1 ns, session 36; two a batch
+    end, so ~9 ms a token of the loop's time at 48 layers while the engine computes in a
+    thread; ``os.sched_yield`` costs 0.25 us but gives the GIL back only after the other
+    thread's switch interval, 5 ms).
 
     Why: the batch-end work runs on the event loop while the engine computes in a thread, and
     that thread needs the GIL between its numpy calls.  A thread that asks for it waits until
