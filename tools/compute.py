@@ -213,10 +213,11 @@ CALIBRATION_REPS = 7
 CALIBRATION_PASSES = 5
 """Passes over the three cases, interleaved; each case's time is the median of its passes'
 medians.  Why: the development VMs' compute speed drifts by a fifth or more from minute to
-minute and has slow stretches of seconds (session 36, the Intel Xeon VM: one calibration read
-0.94 ms a MiB where the others, minutes apart, read 0.37-0.51, and the critical-path
-prediction of that round missed its felt wait by 43-50 %); one pass of ~0.3 s samples one
-stretch, five interleaved ones outvote it."""
+minute and has slow stretches (session 36, the Intel Xeon VM: one calibration read 0.94 ms a
+MiB where the others, minutes apart, read 0.37-0.51, and the critical-path prediction of that
+round missed its felt wait by 43-50 %).  One pass takes ~0.09 s at 576 KiB experts, five
+~0.45 s: a stretch shorter than that is outvoted, a longer one is not.  With five passes the
+6 calibrations of the next validation run read 0.48-0.59 ms a MiB."""
 CALIBRATION_SPAN = 96 << 20
 """Bytes of distinct experts the calibration cycles through, so that every layer computes on
 weights the CPU caches do not hold, as an engine's freshly read experts are: well above the
