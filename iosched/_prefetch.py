@@ -23,6 +23,8 @@ reservations the policy's eviction guard accepts (``ResidencyTable.reserve_specu
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import cast
@@ -38,13 +40,46 @@ from ._room import Lifecycle
 from ._stats import RequestCounts
 
 
+def _timer_slack_control() -> Callable[[int, int], int] | None:
+    """``prctl(option, value)`` through libc, holding the GIL (``ctypes.PyDLL``: the call is
+    1.5 us, and letting go of the GIL around it would hand it over at the wrong moment); ``None``
+    where there is no ``prctl`` (not Linux). No library exposes ``PR_SET_TIMERSLACK`` (``os``
+    has no ``prctl``), hence ``ctypes``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.PyDLL(None).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def prctl(option: int, value: int) -> int:
+        return int(fn(option, value, 0, 0, 0))
+
+    return prctl
+
+
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+_PRCTL = _timer_slack_control()
+
+HANDOVER_SLACK_NS = 1
+"""The calling thread's timer slack during a hand-over (:func:`release_gil`), then put back:
+the kernel's default, 50 us, stretches a ``sleep(0)`` to 88-141 us on the 2-vCPU VMs; at 1 ns
+it takes 19-35 us (the three ``prctl`` calls included), and the compute thread still gets the
+GIL (session 36's harness: the compute thread's 300 layers took the same 235-256 ms with
+either slack)."""
+
+
 def release_gil() -> None:
-    """Let the threads waiting for the GIL run (``time.sleep(0)`` releases it: one
-    ``clock_nanosleep`` of zero, which the kernel's timer slack stretches: 88-95 us on the
-    2-vCPU Intel Xeon VM, 25 us with ``PR_SET_TIMERSLACK`` at 1 ns, session 36; two a batch
-    end, so ~9 ms a token of the loop's time at 48 layers while the engine computes in a
-    thread; ``os.sched_yield`` costs 0.25 us but gives the GIL back only after the other
-    thread's switch interval, 5 ms).
+    """Let the threads waiting for the GIL run: ``time.sleep(0)`` releases it for one
+    ``clock_nanosleep`` of zero, long enough for a waiting thread to take it (``os.sched_yield``
+    costs 0.25 us but gives the GIL back only after the other thread's switch interval, 5 ms).
+    The kernel's timer slack (50 us by default) stretches that sleep to 88-95 us on the 2-vCPU
+    Intel Xeon VM and 95-141 us on the AMD EPYC VM: two a batch end were ~9 ms a token of the
+    loop asleep at 48 layers.  So the hand-over runs with the thread's slack at
+    :data:`HANDOVER_SLACK_NS` and puts it back after: 26-35 us a hand-over on the AMD EPYC VM
+    (session 37; where ``prctl`` is missing, the plain sleep).
 
     Why: the batch-end work runs on the event loop while the engine computes in a thread, and
     that thread needs the GIL between its numpy calls.  A thread that asks for it waits until
@@ -61,7 +96,19 @@ def release_gil() -> None:
     hand-over let the readers' threads take the GIL first and delayed waking the engine (the
     felt wait 13 ms a token longer, qwen, 4 TD, O_DIRECT: 0.93x ``lru`` against 0.97x
     without; with the condition 0.97x, session 33, docs/residency-notebook.md)."""
-    time.sleep(0)
+    prctl = _PRCTL
+    if prctl is None:
+        time.sleep(0)
+        return
+    slack = prctl(_PR_GET_TIMERSLACK, 0)
+    if slack <= 0:  # the call failed: leave the slack alone
+        time.sleep(0)
+        return
+    prctl(_PR_SET_TIMERSLACK, HANDOVER_SLACK_NS)
+    try:
+        time.sleep(0)
+    finally:
+        prctl(_PR_SET_TIMERSLACK, slack)
 
 
 class PrefetchLedger:
