@@ -258,8 +258,8 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
 def test_the_trial_alternates_tokens_abba_and_ends_after_its_pairs() -> None:
     """A prefetch that neither costs nor saves: never kept early.  The burden of proof is on
     the prefetch, so noise may turn it off early (``MIN_OFF_PAIRS``, ``OFF_SE``: from 3 pairs
-    on); otherwise the median pair decides after all the pairs (either way); from then on the
-    arm is constant."""
+    on); otherwise it is off after all the pairs, the saving not told from noise; from then on
+    the arm is constant."""
     full = early = 0
     for seed in range(6):
         policy = coact()
@@ -271,6 +271,7 @@ def test_the_trial_alternates_tokens_abba_and_ends_after_its_pairs() -> None:
         if f"after {TRIAL_PAIRS} pairs" in verdict:
             full += 1
             assert arms[:2 * TRIAL_PAIRS] == [True, False, False, True] * (TRIAL_PAIRS // 2)
+            assert verdict.startswith("prefetch off") and not any(arms[2 * TRIAL_PAIRS:])
         early += f"after {MIN_OFF_PAIRS} pairs" in verdict
     assert full >= 3 and early >= 1  # seeds 0, 1, 2, 4 the whole trial, 3 and 5 off after 3 pairs
 
