@@ -433,9 +433,9 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         reads more bytes for nothing it can show (until session 37 the median pair decided
         there, on if not above zero: over the whole qwen trace at 4 TD, compute in a thread,
         the AMD EPYC VM, it kept the prefetch in 2 rounds of 2 on pairs of -5.3 and -14.6 ms
-        a token, standard errors 15.1 and 13.9, and ``default`` ran at 0.985x and 0.975x
-        ``lru``, reading 4,201-4,619 prefetches of which 26-28 % were used and 13-15 % more
-        bytes, its compute thread 7 % slower; docs/residency-notebook.md).
+        a token, standard errors 15.1 and 13.9, and ``default`` ran at 0.985x and 0.974x
+        ``lru``, issuing 4,201-4,619 prefetches of which 28 % were used, reading 13-15 % more
+        bytes, its compute thread 6-10 % slower; docs/residency-notebook.md).
 
         The time between batches starts at a batch's end work (``end_batch``).  Where that
         did not run (an engine computing on the loop, whose all-hit batches give the loop no
