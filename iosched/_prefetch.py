@@ -97,11 +97,8 @@ def release_gil() -> None:
     felt wait 13 ms a token longer, qwen, 4 TD, O_DIRECT: 0.93x ``lru`` against 0.97x
     without; with the condition 0.97x, session 33, docs/residency-notebook.md)."""
     prctl = _PRCTL
-    if prctl is None:
-        time.sleep(0)
-        return
-    slack = prctl(_PR_GET_TIMERSLACK, 0)
-    if slack <= 0:  # the call failed: leave the slack alone
+    slack = prctl(_PR_GET_TIMERSLACK, 0) if prctl is not None else 0
+    if prctl is None or slack <= 0:  # no prctl, or the call failed: leave the slack alone
         time.sleep(0)
         return
     prctl(_PR_SET_TIMERSLACK, HANDOVER_SLACK_NS)

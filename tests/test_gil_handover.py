@@ -39,7 +39,7 @@ def test_the_hand_over_sleeps_with_a_short_slack_and_puts_the_threads_back(
 
 
 @linux_only
-def test_a_slack_the_thread_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slack_the_thread_chose_is_kept() -> None:
     prctl = _prefetch._PRCTL
     assert prctl is not None
     before = _slack()
