@@ -91,6 +91,19 @@ def release_gil() -> None:
     compute and felt wait exceeded ``lru``'s by 4-9 ms with the hand-over against 10-20 ms
     without (io_uring, 1 and 4 TD), and was 1.5-6.5 ms shorter with it (O_DIRECT threads).
 
+    Once a batch end, before the policy's work (until session 38 also between ``end_batch``
+    and the proposals with ``prepare``): the first lets the compute thread start its layer
+    before the pure-Python visit; what follows is mostly numpy calls, and those that release
+    the GIL (sorts, loops over more than 500 elements) let the compute thread in anyway.
+    Measured (session 38, AMD EPYC VM): without the second, the critical path's qwen 3000 MB/s,
+    1 ms a layer, 4 TD cell charged ``default`` 1.5 ms a token less CPU (three runs each); real
+    runs, qwen, compute in a thread, 64 tokens, three paired rounds of each tree: ``default``
+    / ``lru`` 1.000, 1.002, 1.014 without against 0.984, 1.012, 1.017 with at 1 TD, 1.000,
+    1.016, 1.013 against 1.019, 1.009, 1.013 at 4 TD (no difference beyond the rounds'
+    spread); and in a harness (a compute thread of the replay's expert MLPs beside 250 us of
+    numpy a layer on the main thread) the compute took 8.45-8.52 ms a layer with none, one or
+    two hand-overs (docs/residency-notebook.md, session 38).
+
     Only while no acquire waits (``Prefetcher.engine_waiting``): with the engine computing on
     the loop, the batch-end work runs while the engine awaits its reads, and there each
     hand-over let the readers' threads take the GIL first and delayed waking the engine (the
@@ -222,15 +235,12 @@ class Prefetcher:
         end_batch, prepare = self._hooks.end_batch, self._hooks.prepare
         if end_batch is None or not self.proposing:
             return
-        hand_over = not self.engine_waiting()  # (release_gil: why, and why not then)
-        if hand_over:
+        if not self.engine_waiting():  # (release_gil: why, why once, and why not then)
             release_gil()  # the engine's compute thread, just handed its layer, goes first
         wanted = end_batch()
         if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
             self.proposing = False
             return
-        if hand_over:
-            release_gil()
         if wanted:
             self.policy_batches += 1
             self._proposed(wanted)
