@@ -12,10 +12,20 @@ from collections.abc import Sequence
 from iosched._errors import BackendUnavailable
 from iosched._settings import get as setting
 
-from ._base import Backend, Caps, TieredBackend, ZeroCopyBackend, map_tiered, read_tiered, tiered_reader
+from ._base import (
+    Backend,
+    Caps,
+    TieredBackend,
+    ZeroCopyBackend,
+    map_tiered,
+    read_tiered,
+    tiered_reader,
+    undelivered_counter,
+)
 
 __all__ = ["Backend", "Caps", "NAMES", "TieredBackend", "ZeroCopyBackend", "available", "cached_share",
-           "choose_auto", "create", "map_tiered", "read_tiered", "resolve", "tiered_reader"]
+           "choose_auto", "create", "map_tiered", "read_tiered", "resolve", "tiered_reader",
+           "undelivered_counter"]
 
 NAMES = ("pread", "odirect", "mmap", "uring")
 

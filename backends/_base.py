@@ -22,6 +22,12 @@ Contract of :meth:`Backend.read`:
 A :attr:`Caps.ZERO_COPY` backend also implements :class:`ZeroCopyBackend`: the core asks it
 for a resident view of its own memory instead of a read into a slab.
 
+A backend that hands completions to the event loop through a queue (a worker thread's post,
+an io_uring CQE) may also have ``undelivered()``: the reads that finished whose awaiting
+coroutine has not resumed yet.  The core looks it up once with :func:`undelivered_counter`
+(``0`` for a backend without it) and lets those results through before batch-end work that
+can wait (``iosched/_prefetch.py``); wrappers forward it.
+
 A backend that can tell whether a read was served from the page cache also has
 ``read_tiered`` (and, zero-copy, ``map_tiered``), see :class:`TieredBackend`; the core calls
 them through :func:`read_tiered` and :func:`map_tiered`, which answer ``False`` ("it may have
@@ -113,6 +119,16 @@ def tiered_reader(backend: Backend) -> Callable[[int, int, int, memoryview], Awa
         return await backend.read(file, offset, length, buf), False
 
     return untiered
+
+
+def undelivered_counter(backend: Backend) -> Callable[[], int]:
+    """``backend.undelivered`` where it has one, else a counter that always answers ``0``."""
+    counter: Callable[[], int] | None = getattr(backend, "undelivered", None)
+    return counter if counter is not None else _none_undelivered
+
+
+def _none_undelivered() -> int:
+    return 0
 
 
 async def read_tiered(backend: Backend, file: int, offset: int, length: int,

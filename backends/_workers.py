@@ -11,7 +11,9 @@ process CPU a read through the executor, 37-44 µs through this class.  No libra
 this: ``aiofiles`` and ``anyio.to_thread`` are built on the same executor path.
 
 A job is one tuple on a ``SimpleQueue``; the worker posts its result back with one
-``call_soon_threadsafe``.
+``call_soon_threadsafe``.  :meth:`Workers.undelivered` counts the calls that finished whose
+awaiting coroutine has not resumed yet: their results sit in the loop's queue, and the core
+lets them through before batch-end work it could run later (``iosched/_prefetch.py``).
 
 **Invariant: :meth:`run` returns or raises only once the call has finished**, also when its
 task is cancelled meanwhile: a read keeps writing into its buffer until the system call
@@ -64,13 +66,18 @@ class Workers:
         self._queue: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...],
                                        asyncio.AbstractEventLoop | None, _Completion | None] | None]
         self._queue = SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+        self._posted = [0] * threads
+        """Results each thread posted to a loop (one writer a slot: no lock needed)."""
+        self._resumed = 0
+        """Awaits of :meth:`run` that got their result (the loop's thread only)."""
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"{name}_{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
-    def _work(self) -> None:
+    def _work(self, slot: int) -> None:
         get = self._queue.get
+        posted = self._posted
         while (job := get()) is not _STOP:
             fn, args, loop, fut = job
             del job
@@ -84,10 +91,11 @@ class Workers:
             if loop is None or fut is None:  # submit(): nobody waits for it
                 del fut, value
                 continue
+            posted[slot] += 1  # before the post: the count may lead, never trail, the loop's
             try:
                 loop.call_soon_threadsafe(post, fut, value)
             except RuntimeError:  # the loop is closed: nobody awaits the call any more
-                pass
+                posted[slot] -= 1
             del fut, value
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -95,8 +103,16 @@ class Workers:
         loop = asyncio.get_running_loop()
         fut = _Completion(loop=loop)
         self._queue.put((fn, args, loop, fut))
-        result: T = await fut
+        try:
+            result: T = await fut
+        finally:
+            self._resumed += 1
         return result
+
+    def undelivered(self) -> int:
+        """Calls of :meth:`run` that finished in a thread and whose awaiting coroutine has not
+        resumed yet (their results wait in the loop's queue); read on the loop's thread."""
+        return max(0, sum(self._posted) - self._resumed)
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)`` in a worker thread, nobody waiting for it (an error is dropped, as an

@@ -43,7 +43,7 @@ from typing import Any, cast
 
 from iosched._errors import ReadError
 
-from ._base import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
+from ._base import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered, undelivered_counter
 
 
 @dataclass(frozen=True)
@@ -204,6 +204,9 @@ class FaultyBackend:
 
     def unmap(self, file: int, offset: int, length: int) -> None:
         cast(ZeroCopyBackend, self.inner).unmap(file, offset, length)
+
+    def undelivered(self) -> int:
+        return undelivered_counter(self.inner)()
 
     def info(self) -> dict[str, Any]:
         return {**self.inner.info(), "faults": {**self.counts, "plan": self._plan.as_dict()}}

@@ -180,6 +180,9 @@ class MmapBackend:
         _madvise(address, last - first, mmap.MADV_DONTNEED)
         self.released_bytes += last - first
 
+    def undelivered(self) -> int:
+        return 0 if self._pool is None else self._pool.undelivered()
+
     def info(self) -> dict[str, Any]:
         return {
             "threads": self._threads,

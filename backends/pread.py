@@ -148,6 +148,9 @@ class PreadBackend:
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
 
+    def undelivered(self) -> int:
+        return 0 if self._pool is None else self._pool.undelivered()
+
     def info(self) -> dict[str, Any]:
         return {"threads": self._threads, **self._probe.info()}
 

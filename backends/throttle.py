@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._base import Backend, read_tiered
+from ._base import Backend, read_tiered, undelivered_counter
 
 
 class _Bucket:
@@ -64,6 +64,9 @@ class ThrottledBackend:
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
+
+    def undelivered(self) -> int:
+        return undelivered_counter(self.inner)()
 
     def info(self) -> dict[str, Any]:
         return {**self.inner.info(), "throttled": dict(self._rates)}

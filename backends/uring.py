@@ -71,10 +71,12 @@ def _liburing() -> Any:
 class _Op:
     """One SQE in flight: the future its CQE resolves, and the buffer the kernel writes."""
 
-    __slots__ = ("fut", "buf")
+    __slots__ = ("fut", "buf", "reaped")
 
     def __init__(self, fut: asyncio.Future[int], buf: memoryview) -> None:
         self.fut, self.buf = fut, buf
+        self.reaped = False
+        """Its CQE's result is in ``fut``, and the coroutine awaiting it has not resumed yet."""
 
 
 class _Ring:
@@ -87,6 +89,8 @@ class _Ring:
         self.pending: dict[int, _Op] = {}  # user_data -> op, from prep to CQE
         self.queued: list[int] = []  # prepared, not yet taken by the kernel
         self.slots = asyncio.Semaphore(2 * entries)
+        self.reaped = 0
+        """Ops whose CQE was reaped and whose awaiting coroutine has not resumed yet."""
         self.broken: str | None = None
         self._ids = itertools.count(1)
         self._flush: asyncio.Handle | None = None
@@ -173,6 +177,17 @@ class _Ring:
             op = pending.pop(ud, None)  # the kernel is done with op.buf
             if op is not None and not op.fut.done():
                 op.fut.set_result(res)
+                op.reaped = True
+                self.reaped += 1
+
+    def undelivered(self) -> int:
+        """CQEs not reaped yet, and those reaped whose coroutine has not resumed."""
+        return int(self._L.io_uring_cq_ready(self.ring)) + self.reaped if self._live else 0
+
+    def _resumed(self, op: _Op) -> None:
+        if op.reaped:
+            op.reaped = False
+            self.reaped -= 1
 
     async def io(self, fd: int, buf: memoryview, offset: int, flags: int) -> int:
         """One SQE, awaited: its CQE's ``res``.  Cancelled, it waits for the CQE first."""
@@ -180,13 +195,17 @@ class _Ring:
         try:
             return await op.fut
         except asyncio.CancelledError:
+            self._resumed(op)
             while ud in self.pending:  # the kernel may still write into buf
                 op.fut = self.loop.create_future()
                 try:
                     await op.fut
                 except (asyncio.CancelledError, OSError):
                     pass
+                self._resumed(op)
             raise
+        finally:
+            self._resumed(op)
 
     def close(self) -> None:
         if self._flush is not None:
@@ -287,6 +306,13 @@ class UringBackend(DirectFilesOwner):
                 why = os.strerror(-res)
                 raise ReadError(f"{self._paths[file]}: {what} failed: {why}") from OSError(-res, why)
             self._counts["resubmits"] += 1
+
+    def undelivered(self) -> int:
+        try:
+            ring = self._rings.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return 0
+        return 0 if ring is None else ring.undelivered()
 
     def info(self) -> dict[str, Any]:
         return {

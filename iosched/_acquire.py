@@ -74,7 +74,11 @@ class Acquirer:
         self._waiting = 0
         """Acquires waiting now; the felt wait runs while it is above zero."""
         prefetcher.engine_waiting = lambda: self._waiting > 0
+        prefetcher.engine_resumes_first = self._engine_resumes_first
         self._wait_since = 0.0
+        self._felt: list[asyncio.Future[object]] = []
+        """What the engine's felt wait in a group's :meth:`GroupWait.collect` awaits, while it
+        does (empty otherwise)."""
 
     def layout_of(self, key: ExpertKey) -> ExpertLayout:
         """The layout of ``key``, a ``(layer, expert)`` tuple of true integers (``int`` or a
@@ -263,6 +267,21 @@ class Acquirer:
         self._table.pin(entry)
         return record.future
 
+    def _engine_resumes_first(self) -> bool:
+        """Whether batch-end work due now should let the engine resume first: a result its
+        felt wait awaits is on its way (a read finished whose coroutine has not resumed, or an
+        awaited load is done), and the engine will wait again in this group (more loads are
+        open than results on their way), where the work can run instead.  Only for a group's
+        collect (``acquire_as_ready``): an ``acquire_many`` waits once a batch, so the work
+        put off would come after the next batch started, too late (see
+        ``Prefetcher._policy_batch_end``)."""
+        felt = self._felt
+        if not felt:
+            return False
+        open_loads = sum(1 for f in felt if not f.done())
+        on_the_way = self._loader.undelivered()
+        return (on_the_way > 0 or open_loads < len(felt)) and open_loads > on_the_way
+
     def _wait_starts(self) -> float:
         """One more acquire waits: the felt wait runs from the first; the time now."""
         now = _clock.now()
@@ -385,10 +404,12 @@ class GroupWait:
             acquirer = self._acquirer
             if felt:
                 acquirer._wait_starts()
+                acquirer._felt = waits
             try:  # asyncio.wait cancels nothing it waits for when cancelled
                 await asyncio.wait(waits, return_when=asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED)
             finally:
                 if felt:
+                    acquirer._felt = []
                     acquirer._wait_ends()
         return self.collect_done()
 

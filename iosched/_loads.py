@@ -69,6 +69,9 @@ class Loader:
         """Turns of the event loop from starting a load to its read reaching the device: one
         for the load's task to hand the read to the backend, one more where the backend
         gathers a turn's reads into one submission (``Caps.TURN_BATCHED``)."""
+        self.undelivered = backends.undelivered_counter(io.backend)
+        """Reads that finished and whose awaiting coroutine has not resumed yet (their results
+        wait in the loop's queue; ``0`` for a backend that cannot tell)."""
         self._ledger = ledger
         self._room = room
         self.pool = SlabPool()

@@ -82,6 +82,7 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         prefetch_paced_bytes=None if pacer is None else pacer.granted_bytes,
         prefetch_paced_refusals=None if pacer is None else pacer.refused,
         policy_prefetch_batches=prefetcher.policy_batches,
+        policy_batch_ends_put_off=prefetcher.put_off,
         lookahead_expected=prefetcher.expected, lookahead_started=prefetcher.expect_started,
         token_budget_bytes=prefetcher.token_budget_bytes, migration_bytes=io.migration_bytes,
         hints=io.hints, hints_skipped=loader.hints_skipped,

@@ -222,6 +222,9 @@ class StoreStats:
     prefetch_paced_refusals: int | None
     policy_prefetch_batches: int
     """Batches after which the policy proposed prefetches."""
+    policy_batch_ends_put_off: int
+    """Batch ends whose work let the engine resume first: its felt wait had a read's result
+    on its way, and it waited again in that group (``iosched/_prefetch.py``)."""
     lookahead_expected: int
     """Experts an engine's lookahead (``expect``) gave at least ``lookahead_min_probability``."""
     lookahead_started: int

@@ -56,6 +56,9 @@ class HeldReads:
     def info(self) -> dict[str, Any]:
         return self.inner.info()
 
+    def undelivered(self) -> int:
+        return self.inner.undelivered()
+
     def close(self) -> None:
         self.inner.close()
 
@@ -196,6 +199,85 @@ async def test_the_batch_end_work_hands_the_gil_over_only_while_no_acquire_waits
             got = [key for views in [v async for v in arrivals] for key in _check(store, views)]
         assert sorted(got) == [(1, 0), (1, 1)]
         assert not handed  # its batch-end work ran while the engine awaited the reads
+        store.check_invariants()
+
+
+def _record_batch_ends(monkeypatch: pytest.MonkeyPatch, events: list[object]) -> None:
+    from iosched.residency.density import DensityPolicy
+
+    real = DensityPolicy.end_batch
+
+    def end_batch(self: DensityPolicy) -> Any:
+        events.append("end_batch")
+        return real(self)
+
+    monkeypatch.setattr(DensityPolicy, "end_batch", end_batch)
+
+
+def _compute_on_the_loop_until_read(store: ExpertStore, key: tuple[int, int]) -> None:
+    """What an engine computing on the loop does: hold the loop (here until ``key``'s read
+    finished in its worker thread, its result then queued for the loop)."""
+    import time
+
+    inner = store._io.backend.inner  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while inner.undelivered() == 0:
+        assert time.monotonic() < deadline, f"the read of {key} did not finish"
+        time.sleep(0.001)
+
+
+async def test_on_the_loop_the_batch_end_work_lets_a_result_on_its_way_through_first(
+        st_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine computing on the loop finds, at its next wait, a read that finished meanwhile:
+    the batch-end work queued at the group's entry lets that result reach the engine first
+    and runs in its next wait of the group (session 40: it held the engine ~200 us in 28 % of
+    qwen's batches)."""
+    events: list[object] = []
+    _record_batch_ends(monkeypatch, events)
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="default", experts_per_token=3) as store:
+        await _make_resident(store, backend, (3, 0))
+        events.clear()
+        _release(store, backend, (3, 1))  # its read runs at the group's entry; (3, 2)'s waits
+        try:
+            async with store.acquire_as_ready([(3, 0), (3, 1), (3, 2)]) as arrivals:
+                batches = aiter(arrivals)
+                assert _check(store, await anext(batches)) == [(3, 0)]
+                _compute_on_the_loop_until_read(store, (3, 1))
+                events.extend(_check(store, await anext(batches)))
+                _release(store, backend, (3, 2))
+                events.extend(_check(store, await anext(batches)))
+        finally:
+            _open(backend)
+        assert events == [(3, 1), "end_batch", (3, 2)]
+        assert store.stats()["policy_batch_ends_put_off"] == 1
+        store.check_invariants()
+
+
+async def test_on_the_loop_the_batch_end_work_of_a_groups_last_wait_is_not_put_off(
+        st_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every load the engine waits for has its result on the way, the engine will not
+    wait again in the group: the work runs in this wait (put off, it would find the next batch
+    begun and be skipped)."""
+    events: list[object] = []
+    _record_batch_ends(monkeypatch, events)
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="default", experts_per_token=2) as store:
+        await _make_resident(store, backend, (3, 0))
+        events.clear()
+        _release(store, backend, (3, 1))
+        try:
+            async with store.acquire_as_ready([(3, 0), (3, 1)]) as arrivals:
+                batches = aiter(arrivals)
+                assert _check(store, await anext(batches)) == [(3, 0)]
+                _compute_on_the_loop_until_read(store, (3, 1))
+                events.extend(_check(store, await anext(batches)))
+        finally:
+            _open(backend)
+        assert events == ["end_batch", (3, 1)]
+        assert store.stats()["policy_batch_ends_put_off"] == 0
         store.check_invariants()
 
 

@@ -267,3 +267,31 @@ async def test_info_is_a_dict(backend: str, blob: tuple[str, bytes]) -> None:
         assert isinstance(be.info(), dict)
     finally:
         be.close()
+
+
+async def test_a_finished_read_counts_as_undelivered_until_its_coroutine_resumes(
+        backend: str, blob: tuple[str, bytes]) -> None:
+    """``undelivered()`` (``backends/_base.py``): a read that finished while the loop was held
+    (an engine computing on it) counts until its awaiting coroutine resumes; the core lets such
+    results through before batch-end work (``iosched/_prefetch.py``)."""
+    import time
+
+    path, payload = blob
+    be = opened(backend, path)
+    undelivered = backends.undelivered_counter(be)
+    try:
+        assert undelivered() == 0
+        slab = mmap.mmap(-1, 1 << 16)
+        task = asyncio.ensure_future(be.read(0, 0, 1 << 16, memoryview(slab)))
+        for _ in range(3):  # the read reaches its thread (or the ring's next submission)
+            await asyncio.sleep(0)
+        deadline = time.monotonic() + 10
+        while undelivered() == 0:  # the loop held, as an engine computing on it holds it
+            assert time.monotonic() < deadline, "the finished read never counted"
+            time.sleep(0.001)
+        assert not task.done()
+        assert undelivered() == 1
+        assert await task == 1 << 16 and bytes(slab) == payload[:1 << 16]
+        assert undelivered() == 0
+    finally:
+        be.close()
