@@ -21,7 +21,10 @@ read results that finished while the engine computed and whose callbacks queued 
 the engine resumed ~200 µs late in 28 % of qwen's batches at one token cycle (session 40).
 So when the engine's wait has a result on its way and the engine will wait again in that
 group (``Acquirer._engine_resumes_first``), the work lets it resume first, a turn of the
-loop at a time (:data:`PUT_OFF_TURNS_MAX`), and runs in a later wait of the group.
+loop at a time (:data:`PUT_OFF_TURNS_MAX`), and runs in a later wait of the group.  Measured
+(session 41, docs/benchmarks.md): the held time fell only 77 -> 71 ms over 32 tokens and
+tokens/s did not move beyond noise, since most held cases are a group's last wait, where the
+work cannot be put off without being skipped.
 
 What a prefetch may use: within the per-token byte budget (``token_budget_bytes``), the
 bytes the drives' idle time can absorb (``iosched/_pacing.py``, when pacing is on), and only
