@@ -102,6 +102,7 @@ class FaultyBackend:
 
     def __init__(self, inner: Backend, faults: FaultPlan) -> None:
         self.inner = inner
+        self.undelivered = undelivered_counter(inner)  # forwarded, looked up once
         self.name = inner.name  # mirrors the wrapped backend
         self.caps: Caps = inner.caps
         self._paths: list[str] = []
@@ -204,9 +205,6 @@ class FaultyBackend:
 
     def unmap(self, file: int, offset: int, length: int) -> None:
         cast(ZeroCopyBackend, self.inner).unmap(file, offset, length)
-
-    def undelivered(self) -> int:
-        return undelivered_counter(self.inner)()
 
     def info(self) -> dict[str, Any]:
         return {**self.inner.info(), "faults": {**self.counts, "plan": self._plan.as_dict()}}

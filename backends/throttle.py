@@ -37,6 +37,7 @@ class ThrottledBackend:
 
     def __init__(self, inner: Backend, rates: Mapping[str, float], burst_s: float = 0.05) -> None:
         self.inner = inner
+        self.undelivered = undelivered_counter(inner)  # forwarded, looked up once
         self.name = inner.name  # mirrors the wrapped backend
         self.caps = inner.caps
         self._rates = dict(rates)
@@ -64,9 +65,6 @@ class ThrottledBackend:
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
         return (await self.read_tiered(file, offset, length, buf))[0]
-
-    def undelivered(self) -> int:
-        return undelivered_counter(self.inner)()
 
     def info(self) -> dict[str, Any]:
         return {**self.inner.info(), "throttled": dict(self._rates)}

@@ -195,16 +195,14 @@ class _Ring:
         try:
             return await op.fut
         except asyncio.CancelledError:
-            self._resumed(op)
             while ud in self.pending:  # the kernel may still write into buf
                 op.fut = self.loop.create_future()
                 try:
                     await op.fut
                 except (asyncio.CancelledError, OSError):
                     pass
-                self._resumed(op)
             raise
-        finally:
+        finally:  # (a CQE is reaped at most once: the reap pops the op from pending)
             self._resumed(op)
 
     def close(self) -> None:

@@ -202,9 +202,18 @@ async def test_the_batch_end_work_hands_the_gil_over_only_while_no_acquire_waits
         store.check_invariants()
 
 
-def _record_batch_ends(monkeypatch: pytest.MonkeyPatch, events: list[object]) -> None:
+async def _one_read_landed_while_computing_on_the_loop(
+        st_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, held: list[tuple[int, int]]) -> tuple[list[object], int]:
+    """An engine computing on the loop: layer 3's group of (3, 0) resident, (3, 1) whose read
+    runs at the group's entry, and ``held`` whose reads wait until the engine has (3, 1).  The
+    engine holds the loop after the first batch until (3, 1)'s read finished in its worker
+    thread (its result then queued for the loop), then takes the rest.  Returns the order of
+    the keys it got and the policy's batch ends, and ``policy_batch_ends_put_off``."""
+    import time
+
     from iosched.residency.density import DensityPolicy
 
+    events: list[object] = []
     real = DensityPolicy.end_batch
 
     def end_batch(self: DensityPolicy) -> Any:
@@ -212,18 +221,28 @@ def _record_batch_ends(monkeypatch: pytest.MonkeyPatch, events: list[object]) ->
         return real(self)
 
     monkeypatch.setattr(DensityPolicy, "end_batch", end_batch)
-
-
-def _compute_on_the_loop_until_read(store: ExpertStore, key: tuple[int, int]) -> None:
-    """What an engine computing on the loop does: hold the loop (here until ``key``'s read
-    finished in its worker thread, its result then queued for the loop)."""
-    import time
-
-    inner = store._io.backend.inner  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while inner.undelivered() == 0:
-        assert time.monotonic() < deadline, f"the read of {key} did not finish"
-        time.sleep(0.001)
+    backend = HeldReads()
+    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                      policy="default", experts_per_token=2 + len(held)) as store:
+        await _make_resident(store, backend, (3, 0))
+        events.clear()
+        _release(store, backend, (3, 1))
+        try:
+            async with store.acquire_as_ready([(3, 0), (3, 1), *held]) as arrivals:
+                batches = aiter(arrivals)
+                assert _check(store, await anext(batches)) == [(3, 0)]
+                deadline = time.monotonic() + 10
+                while backend.undelivered() == 0:  # computing: the loop held
+                    assert time.monotonic() < deadline, "the read of (3, 1) did not finish"
+                    time.sleep(0.001)
+                events.extend(_check(store, await anext(batches)))
+                for key in held:
+                    _release(store, backend, key)
+                    events.extend(_check(store, await anext(batches)))
+        finally:
+            _open(backend)
+        store.check_invariants()
+        return events, store.stats()["policy_batch_ends_put_off"]
 
 
 async def test_on_the_loop_the_batch_end_work_lets_a_result_on_its_way_through_first(
@@ -232,27 +251,9 @@ async def test_on_the_loop_the_batch_end_work_lets_a_result_on_its_way_through_f
     the batch-end work queued at the group's entry lets that result reach the engine first
     and runs in its next wait of the group (session 40: it held the engine ~200 us in 28 % of
     qwen's batches)."""
-    events: list[object] = []
-    _record_batch_ends(monkeypatch, events)
-    backend = HeldReads()
-    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
-                                      policy="default", experts_per_token=3) as store:
-        await _make_resident(store, backend, (3, 0))
-        events.clear()
-        _release(store, backend, (3, 1))  # its read runs at the group's entry; (3, 2)'s waits
-        try:
-            async with store.acquire_as_ready([(3, 0), (3, 1), (3, 2)]) as arrivals:
-                batches = aiter(arrivals)
-                assert _check(store, await anext(batches)) == [(3, 0)]
-                _compute_on_the_loop_until_read(store, (3, 1))
-                events.extend(_check(store, await anext(batches)))
-                _release(store, backend, (3, 2))
-                events.extend(_check(store, await anext(batches)))
-        finally:
-            _open(backend)
-        assert events == [(3, 1), "end_batch", (3, 2)]
-        assert store.stats()["policy_batch_ends_put_off"] == 1
-        store.check_invariants()
+    events, put_off = await _one_read_landed_while_computing_on_the_loop(st_checkpoint, monkeypatch, [(3, 2)])
+    assert events == [(3, 1), "end_batch", (3, 2)]
+    assert put_off == 1
 
 
 async def test_on_the_loop_the_batch_end_work_of_a_groups_last_wait_is_not_put_off(
@@ -260,25 +261,9 @@ async def test_on_the_loop_the_batch_end_work_of_a_groups_last_wait_is_not_put_o
     """When every load the engine waits for has its result on the way, the engine will not
     wait again in the group: the work runs in this wait (put off, it would find the next batch
     begun and be skipped)."""
-    events: list[object] = []
-    _record_batch_ends(monkeypatch, events)
-    backend = HeldReads()
-    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
-                                      policy="default", experts_per_token=2) as store:
-        await _make_resident(store, backend, (3, 0))
-        events.clear()
-        _release(store, backend, (3, 1))
-        try:
-            async with store.acquire_as_ready([(3, 0), (3, 1)]) as arrivals:
-                batches = aiter(arrivals)
-                assert _check(store, await anext(batches)) == [(3, 0)]
-                _compute_on_the_loop_until_read(store, (3, 1))
-                events.extend(_check(store, await anext(batches)))
-        finally:
-            _open(backend)
-        assert events == ["end_batch", (3, 1)]
-        assert store.stats()["policy_batch_ends_put_off"] == 0
-        store.check_invariants()
+    events, put_off = await _one_read_landed_while_computing_on_the_loop(st_checkpoint, monkeypatch, [])
+    assert events == ["end_batch", (3, 1)]
+    assert put_off == 0
 
 
 async def test_cancelled_while_the_misses_start_no_lease_leaks(st_checkpoint: Path) -> None:
