@@ -85,11 +85,6 @@ flag               protocol                   hooks, and who calls them when
                                               concluded (``stats()["policy_verdict"]``).  The
                                               hit-rate replay gives no clock: there the
                                               policy measures nothing
-``FELT_WAIT``      :class:`FeltWaitAware`     ``set_felt_wait(felt)``: the store, once, with
-                                              ``felt() -> seconds``, the engine's felt wait
-                                              so far (``stats()["felt_wait_s"]``, on the
-                                              store's clock), so that the policy can price
-                                              the misses it saves against its own CPU
 =================  =========================  ==============================================
 """
 
@@ -137,7 +132,6 @@ class Capability(enum.Flag):
     HISTORY = enum.auto()
     LOOKAHEAD = enum.auto()
     COST = enum.auto()
-    FELT_WAIT = enum.auto()
 
 
 class Policy(Protocol):
@@ -243,14 +237,6 @@ class CostAware(Protocol):
 
 
 @runtime_checkable
-class FeltWaitAware(Protocol):
-    """``Capability.FELT_WAIT``."""
-
-    def set_felt_wait(self, felt: Callable[[], float]) -> None:
-        """``felt()``: the seconds the engine has spent awaiting acquires so far."""
-
-
-@runtime_checkable
 class HistoryKeeper(Protocol):
     """``Capability.HISTORY``."""
 
@@ -275,7 +261,6 @@ _PROTOCOLS: tuple[tuple[Capability, type], ...] = (
     (Capability.HISTORY, HistoryKeeper),
     (Capability.LOOKAHEAD, LookaheadAware),
     (Capability.COST, CostAware),
-    (Capability.FELT_WAIT, FeltWaitAware),
 )
 
 
@@ -296,7 +281,6 @@ class Hooks:
     history: HistoryKeeper | None = None
     on_expect: Callable[[int, npt.NDArray[np.float64]], None] | None = None
     costed: CostAware | None = None
-    set_felt_wait: Callable[[Callable[[], float]], None] | None = None
 
     @property
     def rejects_misses(self) -> bool:
@@ -334,5 +318,4 @@ def bind(policy: Policy) -> Hooks:
         history=policy if isinstance(policy, HistoryKeeper) else None,
         on_expect=policy.on_expect if isinstance(policy, LookaheadAware) else None,
         costed=policy if isinstance(policy, CostAware) else None,
-        set_felt_wait=policy.set_felt_wait if isinstance(policy, FeltWaitAware) else None,
     )

@@ -46,18 +46,6 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   (docs/residency-notebook.md, session 29).  Above one token cycle of budget a ranking
   serves several batches (:data:`RERANK_MAX`); the experts routed since it was made are
   offered after it, by their fresh densities.
-- **What it costs** (the cost verdict, :meth:`_judge_cost`).  The visits and the rankings are
-  Python and numpy on the event loop, ~200 us a layer in a real run where the engine's compute
-  swept the caches before them (qwen, 1 TD, compute on the loop: ~9 ms a token, session 42).
-  Where the ranking holds barely more than LRU would, that is more than its misses save: there
-  ``default`` ran at 0.97-0.98x ``lru`` with its felt wait no shorter.  So the policy times its
-  own work on the store's clock (``set_clock``), and the store tells it the engine's felt wait
-  so far (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode token on, when what
-  it spent exceeds the most its fewer misses could have saved (the shadow's misses less its
-  own, plus :data:`GUARD_SIGMAS` of the shadow's noise, each at the mean felt wait of a miss
-  so far), the eviction is LRU's for good, as the shadow's verdict makes it.  Where CPU is
-  free (the critical-path replay's ``--cpu free``) it never fires, so the same inputs still
-  give the same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
@@ -67,9 +55,8 @@ Everything else (the next-layer prefetch, its guard, its trial) is ``coact``'s: 
 displaced by a guess) and the eviction falls back to it.
 
 Constants: :data:`GUARD_SIGMAS` and :data:`MIN_TOKENS` are statistical (a 2-sigma rule on
-miss counts; three tokens as ``coact``'s trial); the cost verdict reuses both rules' margin
-and waits :data:`REFRESH_SETTLED` tokens (the density tables' settling); the bins and the
-prior are ``_hazard.py``'s.  Nothing is fitted to a trace.
+miss counts; three tokens as ``coact``'s trial); the bins and the prior are
+``_hazard.py``'s.  Nothing is fitted to a trace.
 
 Invariants (:meth:`check`): ``coact``'s, plus: the resident mask is exactly the table's
 keys; the Python lists of last routings and counts equal their arrays; no expert's last
@@ -81,7 +68,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import ClassVar
 
 import numpy as np
@@ -90,7 +77,7 @@ import numpy.typing as npt
 from iosched._errors import require
 
 from ._hazard import AGE_MAX, COUNT_BIN_OF, HazardTable, count_bin
-from ._policy import Capability, FeltWaitAware, Key, ModelShape
+from ._policy import Key, ModelShape
 from .coact import CoactPolicy
 
 GUARD_SIGMAS = 2.0
@@ -156,9 +143,8 @@ def _cbin_offset(count: int) -> int:
     return int(count_bin(np.array([count], dtype=np.float64))[0]) * AGE_MAX
 
 
-class DensityPolicy(CoactPolicy, FeltWaitAware):
+class DensityPolicy(CoactPolicy):
     name: ClassVar[str] = "density"
-    capabilities: ClassVar[Capability] = CoactPolicy.capabilities | Capability.FELT_WAIT
 
     def __init__(self, prefetch_width: int | None = None) -> None:
         super().__init__(prefetch_width)
@@ -217,11 +203,6 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._shadow_misses = 0
         self._used = 0
         self._decoded = 0
-        self._felt: Callable[[], float] | None = None
-        """The engine's felt wait so far (the store's, ``set_felt_wait``): the price of a miss."""
-        self._cost_s = 0.0
-        """Seconds on the store's clock this policy spent on what ``coact`` does not do: the
-        visits (ages, counts, the shadow, the hazard table) and the rankings."""
         self._cur = 0
         self._epoch = 0
         """Batches closed (``_close_batch``): a ranking is valid for the epoch it was made for."""
@@ -297,11 +278,6 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             return verdict
         return f"{verdict}; eviction: {self._lru_reason}" if verdict else f"eviction: {self._lru_reason}"
 
-    def set_felt_wait(self, felt: Callable[[], float]) -> None:
-        """The store's felt wait so far: with the clock (``set_clock``), the ranking's cost
-        verdict (:meth:`_judge_cost`)."""
-        self._felt = felt
-
     # ------------------------------------------------------------------ requests
 
     def _guess_used(self, key: Key) -> None:
@@ -313,19 +289,9 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         applied = self._applied == self._epoch
         decode = super()._close_batch()
         if not applied and not self._lru and batch:
-            self._timed_visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
+            self._visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
         self._epoch += 1
         return decode
-
-    def _timed_visit(self, pos: int, batch: list[int], decode: bool) -> None:
-        """:meth:`_visit`, its time on the store's clock counted in :attr:`_cost_s`."""
-        now = self._now
-        if now is None:
-            self._visit(pos, batch, decode)
-            return
-        t0 = now()
-        self._visit(pos, batch, decode)
-        self._cost_s += now() - t0
 
     def _visit(self, pos: int, batch: list[int], decode: bool) -> None:
         """A batch complete: its visit into the ages and counts, the LRU shadow, and at a
@@ -432,24 +398,6 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
-            elif self._decoded >= REFRESH_SETTLED and self._felt is not None:
-                self._judge_cost(self._felt, mine, theirs)
-
-    def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
-        """The ranking's cost verdict: LRU's eviction for good when the CPU this policy has
-        spent beyond ``coact``'s (:attr:`_cost_s`) exceeds the most felt wait its fewer misses
-        could have saved: the misses fewer than the LRU shadow's plus :data:`GUARD_SIGMAS` of
-        their noise, each at the mean felt wait of a miss so far (module docstring, "What it
-        costs")."""
-        if mine <= 0:
-            return
-        price = felt() / mine
-        at_most = (theirs - mine + GUARD_SIGMAS * math.sqrt(max(theirs, 1))) * price
-        if at_most < self._cost_s:
-            self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * self._cost_s:.0f} ms, "
-                         f"more than the {1e3 * max(at_most, 0.0):.0f} ms of felt wait it could have saved "
-                         f"({theirs - mine} misses fewer than the LRU shadow's {theirs}, plus {GUARD_SIGMAS:g} "
-                         f"sigma, at {1e3 * price:.2f} ms each)")
 
     def _to_lru(self, reason: str, overruled: bool = True) -> None:
         self._lru, self._lru_reason = True, reason
@@ -514,7 +462,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         an unranked key holds."""
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
         if not self._ranking_serves(self._epoch, cur):
-            self._timed_rank(cur, self._epoch)
+            self._rank(cur, self._epoch)
         res, E, layer_of = self._res_bytes, self._E, self._layers
         late = self._since_rank  # offered last, by their fresh densities
         # (the head and the tail are disjoint parts of one ranking: nothing is offered twice)
@@ -536,25 +484,12 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
         if late:
-            now = self._now
-            t0 = now() if now is not None else 0.0
             fresh = np.array([f for f in late if res[f]], dtype=np.int64)
-            ordered = fresh[np.argsort(self._densities_of(fresh, cur), kind="stable")].tolist() if fresh.size else []
-            if now is not None:
-                self._cost_s += now() - t0
-            for flat in ordered:
-                p, e = divmod(flat, E)
-                yield (layer_of[p], e)
-
-    def _timed_rank(self, cur: int, epoch: int) -> None:
-        """:meth:`_rank`, its time on the store's clock counted in :attr:`_cost_s`."""
-        now = self._now
-        if now is None:
-            self._rank(cur, epoch)
-            return
-        t0 = now()
-        self._rank(cur, epoch)
-        self._cost_s += now() - t0
+            if fresh.size:
+                density = self._densities_of(fresh, cur)
+                for flat in fresh[np.argsort(density, kind="stable")].tolist():
+                    p, e = divmod(flat, E)
+                    yield (layer_of[p], e)
 
     def _rank(self, cur: int, epoch: int) -> None:
         """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
@@ -588,7 +523,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         if not self._lru and self._L and self._batch_pos >= 0:
             nxt, epoch = (self._batch_pos + 1) % self._L, self._epoch + 1
             if not self._ranking_serves(epoch, nxt):
-                self._timed_rank(nxt, epoch)
+                self._rank(nxt, epoch)
 
     def _densities(self, cur: int) -> tuple[F64, I64]:
         idx = np.flatnonzero(self._res)
@@ -625,7 +560,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             return super().end_batch()
         if batch and len(batch) <= self._k and self._applied != self._epoch:
             self._applied = self._epoch
-            self._timed_visit(pos, batch, True)
+            self._visit(pos, batch, True)
         if self._trial is None and not self._prefetching and not self._engine_seen:
             self._proposed.clear()
             return []
