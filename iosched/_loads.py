@@ -136,7 +136,7 @@ class Loader:
             else:
                 cached = await self._read_plan(layout, plan, slab, ticket)
                 # No local keeps a memoryview of the slab: only the views do (see free()).
-                view = ExpertView.over(layout, memoryview(slab.mm)[plan.data_start:plan.data_start + layout.nbytes])
+                view = ExpertView.over(layout, slab.buffer()[plan.data_start:plan.data_start + layout.nbytes])
         except BaseException as exc:
             self._failed(entry, layout, record, slab, mapped, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -178,7 +178,7 @@ class Loader:
 
     async def _read_plan(self, layout: ExpertLayout, plan: ReadPlan, slab: Slab, ticket: Ticket) -> bool:
         """Read every span into ``slab``; ``True`` when the page cache served all of them."""
-        buf = memoryview(slab.mm)
+        buf = slab.buffer()
         spans = plan.spans
         if len(spans) == 1:
             span = spans[0]
@@ -192,7 +192,7 @@ class Loader:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        pack(plan, slab.mm)
+        pack(plan, buf)
         return all(r[1] for r in results if isinstance(r, tuple))
 
     def settle(self, entry: Entry) -> None:

@@ -15,7 +15,6 @@ block-aligned position of the slab; the expert's bytes then start ``head`` bytes
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ def plan_reads(layout: ExpertLayout, alignment: Callable[[int], int]) -> ReadPla
     return ReadPlan(tuple(spans), pos, 0, padded)
 
 
-def pack(plan: ReadPlan, slab: mmap.mmap) -> None:
+def pack(plan: ReadPlan, slab: memoryview) -> None:
     """Move the extents of a padded multi-extent read back to back from offset 0."""
     if not plan.needs_pack:
         return
