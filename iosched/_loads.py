@@ -74,7 +74,7 @@ class Loader:
         wait in the loop's queue; ``0`` for a backend that cannot tell)."""
         self._ledger = ledger
         self._room = room
-        self.pool = SlabPool()
+        self.pool = SlabPool(huge_pages=bool(io.backend.caps & backends.Caps.DIRECT))
         self.tasks: set[asyncio.Task[Any]] = set()
         """Loads and hints in flight: ``close()`` waits for them."""
         self.in_flight: dict[ExpertKey, InFlight] = {}

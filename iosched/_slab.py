@@ -82,11 +82,12 @@ def _address(mm: mmap.mmap) -> int:
 class Slab:
     """One page-aligned buffer of ``capacity`` bytes, ``mm[base:base + capacity]``.
 
-    **Huge pages under the reads** (Linux): a slab of 2 MiB or more is a private anonymous
-    mapping whose buffer starts on a 2 MiB boundary, its whole 2 MiB pieces advised
-    ``MADV_HUGEPAGE``.  An O_DIRECT read into 4 KiB pages hands the block layer one segment
-    per page that is not physically next to the one before (a virtio disk takes at most 254 a
-    request, ``/sys/block/*/queue/max_segments``), so a 2.25 MiB expert read into a fresh
+    **Huge pages under direct reads** (Linux; ``huge``, which the pool sets for a backend that
+    reads O_DIRECT): a slab of 2 MiB or more is a private anonymous mapping whose buffer starts
+    on a 2 MiB boundary, its whole 2 MiB pieces advised ``MADV_HUGEPAGE``.  An O_DIRECT read
+    into 4 KiB pages hands the block layer one segment per page that is not physically next to
+    the one before (a virtio disk takes at most 254 a request,
+    ``/sys/block/*/queue/max_segments``), so a 2.25 MiB expert read into a fresh
     shared mapping (``mmap.mmap(-1, n)``'s default, the pool's until session 42) became
     several requests, and how many depended on where the kernel happened to put the pages:
     persistent for a slab's life, different from one run to the next.  Measured (session 42,
@@ -99,14 +100,18 @@ class Slab:
     buffer (a tail shorter than 2 MiB stays in 4 KiB pages): the memory is the capacity's,
     as before.  The kernel may still hand out 4 KiB pages (``transparent_hugepage`` set to
     ``never``, or no 2 MiB of free contiguous memory): then it is the private mapping's speed.
+    Not under buffered reads: there the page cache fills memory, a fresh slab's huge page then
+    costs the kernel a compaction, and the reads lost (``iosched bench-readpath --sizes 9M
+    --backends pread``, 6 alternated rounds: 1,740 -> 1,449 MB/s, CPU a group 32 -> 40 ms);
+    they get private 4 KiB pages.
     """
 
     __slots__ = ("base", "capacity", "mm")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, huge: bool = False) -> None:
         self.capacity = capacity
         self.base = 0
-        if capacity < HUGE_PAGE or _MADV_HUGEPAGE is None or not _PRIVATE:
+        if not huge or capacity < HUGE_PAGE or _MADV_HUGEPAGE is None or not _PRIVATE:
             self.mm = mmap.mmap(-1, capacity, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, capacity)
             return
         mm = mmap.mmap(-1, capacity + HUGE_PAGE - PAGE, flags=_PRIVATE)
@@ -259,7 +264,10 @@ class RetiredSlabs:
 
 
 class SlabPool:
-    def __init__(self) -> None:
+    def __init__(self, huge_pages: bool = False) -> None:
+        self.huge_pages = huge_pages
+        """Whether new slabs of 2 MiB and more go on huge pages (:class:`Slab`): for a backend
+        that reads O_DIRECT."""
         self._idle: dict[int, list[Slab]] = defaultdict(list)
         self.idle_bytes = 0
         self.allocated = 0
@@ -310,7 +318,7 @@ class SlabPool:
             return slab
         self.taken_bytes += capacity
         self.allocated += 1
-        return Slab(capacity)
+        return Slab(capacity, self.huge_pages)
 
     def give_back(self, slab: Slab, max_idle_bytes: int, owner: object = None, watch: object | None = None,
                   budget_bytes: int = 0, hand_over: bool = False) -> None:

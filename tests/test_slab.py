@@ -35,7 +35,7 @@ def smaps_of(start: int) -> dict[str, str]:
 
 @pytest.mark.parametrize("capacity", [PAGE, 3 * PAGE, HUGE_PAGE - PAGE])
 def test_a_slab_below_a_huge_page_is_the_mapping_itself(capacity: int) -> None:
-    slab = Slab(capacity)
+    slab = Slab(capacity, huge=True)
     assert slab.base == 0 and len(slab.mm) == capacity
     buf = slab.buffer()
     assert len(buf) == capacity and address(buf) % PAGE == 0
@@ -50,7 +50,7 @@ def test_a_large_slabs_buffer_starts_on_a_huge_page_and_the_mapping_ends_with_it
     """The buffer is ``capacity`` bytes from a 2 MiB boundary, the mapping ends where the
     buffer ends (no huge page can reach past it), and the buffer's whole 2 MiB pieces are
     the part advised (the kernel splits the mapping there: its own line in smaps)."""
-    slab = Slab(capacity)
+    slab = Slab(capacity, huge=True)
     buf = slab.buffer()
     start = address(buf)
     assert len(buf) == capacity and start % HUGE_PAGE == 0
@@ -71,7 +71,7 @@ def test_a_large_slabs_buffer_starts_on_a_huge_page_and_the_mapping_ends_with_it
 def test_exported_sees_the_buffers_views_of_a_large_slab_too() -> None:
     """:meth:`Slab.exported` over the whole mapping: a view of the buffer (offset by
     ``base``) counts while it lives, and not after."""
-    slab = Slab(2359296)
+    slab = Slab(2359296, huge=True)
     assert not slab.exported()
     view = np.frombuffer(slab.buffer()[PAGE:].toreadonly(), dtype=np.uint8)
     assert slab.exported()
@@ -81,7 +81,28 @@ def test_exported_sees_the_buffers_views_of_a_large_slab_too() -> None:
 
 
 def test_the_ctypes_address_probe_leaves_no_export() -> None:
-    slab = Slab(3 * HUGE_PAGE)
+    slab = Slab(3 * HUGE_PAGE, huge=True)
     ctypes.addressof(ctypes.c_char.from_buffer(slab.mm))  # what Slab does once, in __init__
     assert not slab.exported()
     slab.close()
+
+
+def test_without_huge_a_large_slab_is_the_mapping_itself() -> None:
+    """Buffered reads (``huge`` off, the pool's default): no boundary, no advice."""
+    slab = Slab(5 * HUGE_PAGE // 2)
+    assert slab.base == 0 and len(slab.mm) == 5 * HUGE_PAGE // 2
+    slab.close()
+
+
+@pytest.mark.parametrize(("backend", "huge"), [("odirect", True), ("pread", False)])
+def test_the_store_puts_huge_pages_under_direct_reads_only(st_checkpoint: Path, backend: str, huge: bool) -> None:
+    """The store's pool asks for huge pages where the backend reads O_DIRECT."""
+    import asyncio
+
+    from iosched import ExpertStore
+
+    async def main() -> None:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 24, backend=backend) as store:
+            assert store._loader.pool.huge_pages is huge
+
+    asyncio.run(main())
