@@ -11,8 +11,10 @@ simulation drives a :class:`~iosched.residency.ResidencyTable` with a policy fro
     on a miss:  e = table.reserve(key, nbytes); table.publish(e)
                 if e.transient: table.remove(e)      # not admitted: served transiently
 
-Nothing is ever leased in a simulation, so ``reserve`` always finds room; an expert larger
-than the whole budget is a miss that caches nothing.  ``table.check()`` re-checks every
+Nothing is leased in a simulation, so ``reserve`` always finds room; an expert larger than
+the whole budget is a miss that caches nothing.  ``--batch-leases`` holds each batch as the
+store does instead (its hits leased before its misses reserve, its loads until the batch's
+end), so that the hit ratios are the store's (:func:`drive`).  ``table.check()`` re-checks every
 invariant at the end of each run.  The statistics (hits, bytes) are this driver's, not the
 policies'.
 
@@ -419,7 +421,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
         first = 0
         while first < n:
             last = first
-            while not batch_end[last]:
+            while last < n - 1 and not batch_end[last]:
                 last += 1
             if first in routing and on_routing is not None:  # the engine knows its router's output first
                 on_routing(*routing[first])
