@@ -672,15 +672,17 @@ def check_same_shape(train: RouteTrace, train_label: str, ev: RouteTrace, eval_l
 
 
 def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: float,
-                    budget: int, prefetch_width: int | None = None) -> dict[str, Any]:
-    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``."""
+                    budget: int, prefetch_width: int | None = None,
+                    batch_leases: bool = False) -> dict[str, Any]:
+    """The seeded arm: ``policy_name`` learns from ``train``, then is measured on ``ev``
+    (both replays holding each batch as the store does with ``batch_leases``)."""
     if policy_name in OFFLINE:
         raise StoreError(f"--policy {policy_name} is an offline reference with nothing to "
                          "learn; --train does not apply to it")
     t0 = time.perf_counter()
     policy: Policy = build_policy(policy_name, ev, budget, prefetch_width)
     warm = build_table(policy, ev, budget)
-    drive(warm, train)
+    drive(warm, train, batch_leases=batch_leases)
     warm.evict_all()  # through the table: the policy hears of every removal
     warm.check()
     if len(warm):
@@ -697,7 +699,7 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
         if fresh.history is not None:
             fresh.history.load_history(learned, "--train")
     table = build_table(policy, ev, budget)
-    run = drive(table, ev)
+    run = drive(table, ev, batch_leases=batch_leases)
     row = _row(policy_name, cycles, budget, ev, run.flags, time.perf_counter() - t0)
     row.update(arm="seeded", train_requests=len(train), admissions=table.admissions,
                rejections=table.rejections, evictions=table.evictions,
@@ -711,9 +713,11 @@ def simulate_seeded(train: Requests, ev: Requests, policy_name: str, cycles: flo
 def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: str,
                cycles: Sequence[float], policies: Sequence[str],
                on_run: Callable[[str], None] | None = None, *,
-               prefetch_width: int | None = None, routing: bool = True) -> dict[str, Any]:
+               prefetch_width: int | None = None, routing: bool = True,
+               batch_leases: bool = False) -> dict[str, Any]:
     """Seeded and cold arms of every policy at every budget (budgets in ``ev``'s TD);
-    ``routing=False``: the policies see the keys only (``--keys-only``)."""
+    ``routing=False``: the policies see the keys only (``--keys-only``); ``batch_leases``:
+    every replay holds each batch as the store does (:func:`drive`)."""
     for name in policies:
         if name in OFFLINE:
             raise StoreError(f"--policy {name} is an offline reference with nothing to learn; "
@@ -726,10 +730,10 @@ def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: 
             budget = budget_for(ev, c)
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles, seeded")
-            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width))
+            results.append(simulate_seeded(treqs, ereqs, name, c, budget, prefetch_width, batch_leases))
             if on_run is not None:
                 on_run(f"{name} @ {c:g} cycles, cold")
-            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width)
+            row = simulate(ereqs, name, c, budget, prefetch_width=prefetch_width, batch_leases=batch_leases)
             row["arm"] = "cold"
             results.append(row)
     return {
@@ -747,6 +751,7 @@ def train_eval(train: RouteTrace, train_label: str, ev: RouteTrace, eval_label: 
         "decode_requests": sum(ereqs.decode),
         "train_requests": len(treqs),
         "routing": routing,
+        "batch_leases": batch_leases,
     }
 
 
@@ -929,7 +934,8 @@ def _cmd_train_eval(args: argparse.Namespace) -> dict[str, Any]:
     train, ev = load_trace(args.train, args.expert_bytes), load_trace(args.trace, args.expert_bytes)
     with run_progress("replay", 2 * len(policies) * len(cycles)) as on_run:
         out = train_eval(train, args.train, ev, args.trace, cycles, policies, on_run,
-                         prefetch_width=args.prefetch_width, routing=not getattr(args, "keys_only", False))
+                         prefetch_width=args.prefetch_width, routing=not getattr(args, "keys_only", False),
+                         batch_leases=getattr(args, "batch_leases", False))
     out["sizes_assumed"] = train.sizes_assumed or ev.sizes_assumed
     if not args.json:
         _print_table(train_eval_table(out))
@@ -1159,14 +1165,12 @@ def _check_batch_leases(args: argparse.Namespace) -> None:
     if not args.simulate:
         raise StoreError("--batch-leases needs --simulate: the real-I/O replay runs the store, "
                          "which holds its batches so already")
-    for flag, given in (("--critical-path", getattr(args, "critical_path", False)),
-                        ("--train", getattr(args, "train", None) is not None),
-                        ("--compare-libcachesim", args.compare_libcachesim)):
-        if given:
-            why = {"--critical-path": "it runs the store, whose batches are held so already",
-                   "--train": "the seeded arms replay request by request",
-                   "--compare-libcachesim": "libCacheSim's caches have no leases"}[flag]
-            raise StoreError(f"--batch-leases does not combine with {flag}: {why}")
+    if getattr(args, "critical_path", False):
+        raise StoreError("--batch-leases does not combine with --critical-path: it runs the "
+                         "store, whose batches are held so already")
+    if args.compare_libcachesim:
+        raise StoreError("--batch-leases does not combine with --compare-libcachesim: "
+                         "libCacheSim's caches have no leases")
 
 
 def _cell(r: dict[str, Any]) -> str:
