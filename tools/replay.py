@@ -1205,6 +1205,11 @@ def result_table(out: dict[str, Any]) -> Any:
             f"{out['distinct_experts']} distinct experts")
     if out.get("routing") is False:
         note += "; the policies saw no router rows (--keys-only, or no batch of several tokens)"
+    if out.get("batch_leases"):
+        no_room = sum(r.get("no_room", 0) for r in out["results"])
+        note += ("; each batch held as the store holds it (--batch-leases: its hits leased before "
+                 "its misses evict), so these are the store's hit ratios"
+                 + (f"; {no_room} misses found no room beside a batch's leases" if no_room else ""))
     if out.get("sizes_assumed"):
         note += f"; {SIZES_ASSUMED_NOTE}"
     return Group(table, Text(note, style="dim"))
