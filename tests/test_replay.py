@@ -646,6 +646,9 @@ def test_batch_leases_give_the_hits_of_the_store_on_the_critical_path(
 def test_the_table_says_the_batches_were_held(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay.main(["gemma", "--simulate", "--batch-leases", "--cycles", "1", "--policy", "lru"]) == 0
     assert "--batch-leases" in " ".join(capsys.readouterr().out.split())
+    assert replay.main(["gemma", "--simulate", "--batch-leases", "--train", "gemma", "--cycles", "1",
+                        "--policy", "lru"]) == 0
+    assert "(--batch-leases)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_train_eval_holds_batches_in_both_arms(capsys: pytest.CaptureFixture[str]) -> None:

@@ -779,6 +779,8 @@ def train_eval_table(out: dict[str, Any]) -> Any:
     note = (f"seeded: the policy first replayed {out['train']} ({out['train_requests']} requests), "
             f"then its resident set was emptied; cold: a fresh policy. Only {out['eval']}'s "
             f"{out['requests']} requests are counted.")
+    if out.get("batch_leases"):
+        note += " Both arms held each batch as the store does (--batch-leases)."
     return Group(table, Text(note, style="dim"))
 
 
