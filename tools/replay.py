@@ -102,6 +102,10 @@ next access time, as its oracle traces carry)."""
 
 _INT64_MAX = (1 << 63) - 1
 
+LEASES_WITHOUT_LIBCACHESIM = ("--batch-leases does not combine with --compare-libcachesim: libCacheSim's "
+                              "caches have no leases, so its rows would replay another sequence")
+"""Said by :func:`replay` and, before libCacheSim is imported, by the command."""
+
 SIZES_ASSUMED_NOTE = (f"expert sizes assumed ({DEFAULT_EXPERT_BYTES // 2**20} MiB each: the trace "
                       "gives none; --expert-bytes sets them), so bytes and budgets are nominal")
 
@@ -618,8 +622,7 @@ def replay(trace: RouteTrace, label: str, cycles: Sequence[float], policies: Seq
     with ``compare_libcachesim``.
     """
     if batch_leases and compare_libcachesim:
-        raise StoreError("--batch-leases does not combine with --compare-libcachesim: "
-                         "libCacheSim's caches have no leases, so its rows would replay another sequence")
+        raise StoreError(LEASES_WITHOUT_LIBCACHESIM)
     token_budget = None if token_budget_cycles is None else int(token_budget_cycles * trace.td_bytes)
     reqs = Requests.of(trace, routing)
     lcs_version: str | None = None
@@ -1170,9 +1173,8 @@ def _check_batch_leases(args: argparse.Namespace) -> None:
     if getattr(args, "critical_path", False):
         raise StoreError("--batch-leases does not combine with --critical-path: it runs the "
                          "store, whose batches are held so already")
-    if args.compare_libcachesim:
-        raise StoreError("--batch-leases does not combine with --compare-libcachesim: "
-                         "libCacheSim's caches have no leases")
+    if args.compare_libcachesim:  # before libcachesim_module() asks for an install
+        raise StoreError(LEASES_WITHOUT_LIBCACHESIM)
 
 
 def _cell(r: dict[str, Any]) -> str:
