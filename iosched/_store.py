@@ -130,6 +130,9 @@ class ExpertStore:
                         else AutoGrow(parts.growth, table, loader.pool, self._room, lifecycle))
         self._acquirer = Acquirer(index, table, loader, self._prefetcher, self._ledger, self._room, lifecycle,
                                   counts, self._growth, owner=self._check_loop)
+        if table.hooks.set_felt_wait is not None:  # a policy that weighs its own CPU against the felt wait
+            acquirer = self._acquirer
+            table.hooks.set_felt_wait(lambda: acquirer.felt_wait_s)
         table.set_on_evict(self._on_evict)
         self._telemetry = parts.telemetry
         self._usage: UsageHistory | None = None

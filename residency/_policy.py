@@ -85,6 +85,12 @@ flag               protocol                   hooks, and who calls them when
                                               concluded (``stats()["policy_verdict"]``).  The
                                               hit-rate replay gives no clock: there the
                                               policy measures nothing
+``FELT_WAIT``      :class:`FeltWaitAware`     ``set_felt_wait(felt)``: the store, once, with
+                                              ``felt() -> seconds``, the engine's felt wait
+                                              so far (``stats()["felt_wait_s"]``, on the
+                                              store's clock), so that the policy can weigh
+                                              its own CPU against what the misses cost the
+                                              engine (``default``'s cost verdict)
 =================  =========================  ==============================================
 """
 
@@ -132,6 +138,7 @@ class Capability(enum.Flag):
     HISTORY = enum.auto()
     LOOKAHEAD = enum.auto()
     COST = enum.auto()
+    FELT_WAIT = enum.auto()
 
 
 class Policy(Protocol):
@@ -237,6 +244,14 @@ class CostAware(Protocol):
 
 
 @runtime_checkable
+class FeltWaitAware(Protocol):
+    """``Capability.FELT_WAIT``."""
+
+    def set_felt_wait(self, felt: Callable[[], float]) -> None:
+        """``felt()``: the seconds the engine has spent awaiting acquires so far."""
+
+
+@runtime_checkable
 class HistoryKeeper(Protocol):
     """``Capability.HISTORY``."""
 
@@ -261,6 +276,7 @@ _PROTOCOLS: tuple[tuple[Capability, type], ...] = (
     (Capability.HISTORY, HistoryKeeper),
     (Capability.LOOKAHEAD, LookaheadAware),
     (Capability.COST, CostAware),
+    (Capability.FELT_WAIT, FeltWaitAware),
 )
 
 
@@ -281,6 +297,7 @@ class Hooks:
     history: HistoryKeeper | None = None
     on_expect: Callable[[int, npt.NDArray[np.float64]], None] | None = None
     costed: CostAware | None = None
+    set_felt_wait: Callable[[Callable[[], float]], None] | None = None
 
     @property
     def rejects_misses(self) -> bool:
@@ -318,4 +335,5 @@ def bind(policy: Policy) -> Hooks:
         history=policy if isinstance(policy, HistoryKeeper) else None,
         on_expect=policy.on_expect if isinstance(policy, LookaheadAware) else None,
         costed=policy if isinstance(policy, CostAware) else None,
+        set_felt_wait=policy.set_felt_wait if isinstance(policy, FeltWaitAware) else None,
     )

@@ -46,6 +46,23 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   (docs/residency-notebook.md, session 29).  Above one token cycle of budget a ranking
   serves several batches (:data:`RERANK_MAX`); the experts routed since it was made are
   offered after it, by their fresh densities.
+- **What it costs** (the cost verdict, :meth:`_judge_cost`).  The visits and the rankings are
+  Python and numpy on the event loop: ~160 us a layer in a real run where the engine's compute
+  swept the caches before them (qwen, 1 TD, compute in a thread, session 44: the ranking
+  102-114 us, the visit 48 us).  Where the reads cost the engine almost nothing (small
+  experts, or reads the page cache serves while it computes) no eviction order can save that
+  much: ``iosched demo`` (36 KiB experts from the page cache, 4 TD) ran ``default`` at
+  0.84x ``lru``, its visits and rankings 46 ms over 15 decode tokens against 18 ms of felt
+  wait in all (docs/demo.md, session 44).  So the
+  policy times its own work on the store's clock (``set_clock``) and the store tells it the
+  engine's felt wait so far (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode
+  token on, when what it spent exceeds the felt wait LRU would have had (this policy's,
+  scaled by the LRU shadow's misses over its own), the most any eviction order could save,
+  the eviction is LRU's for good, as the shadow's verdict makes it.  A bound, not an
+  estimate of the saving: a rule that priced the misses it saves so far fired at qwen 4 TD
+  before the ranking's lead came (session 42, reverted); this one waits for a ranking whose
+  every possible saving is below its cost.  Where CPU is free (the critical-path replay's
+  ``--cpu free``) it never fires, so the same inputs still give the same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
@@ -55,8 +72,9 @@ Everything else (the next-layer prefetch, its guard, its trial) is ``coact``'s: 
 displaced by a guess) and the eviction falls back to it.
 
 Constants: :data:`GUARD_SIGMAS` and :data:`MIN_TOKENS` are statistical (a 2-sigma rule on
-miss counts; three tokens as ``coact``'s trial); the bins and the prior are
-``_hazard.py``'s.  Nothing is fitted to a trace.
+miss counts; three tokens as ``coact``'s trial); the cost verdict is a bound with no margin
+of its own and waits :data:`REFRESH_SETTLED` tokens (the density tables' settling); the bins
+and the prior are ``_hazard.py``'s.  Nothing is fitted to a trace.
 
 Invariants (:meth:`check`): ``coact``'s, plus: the resident mask is exactly the table's
 keys; the Python lists of last routings and counts equal their arrays; no expert's last
@@ -68,7 +86,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import numpy as np
@@ -77,7 +95,7 @@ import numpy.typing as npt
 from iosched._errors import require
 
 from ._hazard import AGE_MAX, COUNT_BIN_OF, HazardTable, count_bin
-from ._policy import Key, ModelShape
+from ._policy import Capability, FeltWaitAware, Key, ModelShape
 from .coact import CoactPolicy
 
 GUARD_SIGMAS = 2.0
@@ -143,8 +161,9 @@ def _cbin_offset(count: int) -> int:
     return int(count_bin(np.array([count], dtype=np.float64))[0]) * AGE_MAX
 
 
-class DensityPolicy(CoactPolicy):
+class DensityPolicy(CoactPolicy, FeltWaitAware):
     name: ClassVar[str] = "density"
+    capabilities: ClassVar[Capability] = CoactPolicy.capabilities | Capability.FELT_WAIT
 
     def __init__(self, prefetch_width: int | None = None) -> None:
         super().__init__(prefetch_width)
@@ -203,6 +222,15 @@ class DensityPolicy(CoactPolicy):
         self._shadow_misses = 0
         self._used = 0
         self._decoded = 0
+        self._felt: Callable[[], float] | None = None
+        """The engine's felt wait so far (the store's, ``set_felt_wait``): what the misses cost
+        it, the most a better eviction could save (the cost verdict)."""
+        self._cost_s = 0.0
+        """Seconds on the store's clock this policy spent on what ``coact`` does not do: the
+        visits (ages, counts, the shadow, the hazard table) and the rankings."""
+        self._decode_mark = (0.0, 0.0, 0, 0)
+        """At the first decode token's end: the felt wait, :attr:`_cost_s` and both miss counts
+        (the cost verdict weighs the decode's, not the prompt's)."""
         self._cur = 0
         self._epoch = 0
         """Batches closed (``_close_batch``): a ranking is valid for the epoch it was made for."""
@@ -278,6 +306,11 @@ class DensityPolicy(CoactPolicy):
             return verdict
         return f"{verdict}; eviction: {self._lru_reason}" if verdict else f"eviction: {self._lru_reason}"
 
+    def set_felt_wait(self, felt: Callable[[], float]) -> None:
+        """The store's felt wait so far: with the clock (``set_clock``), the ranking's cost
+        verdict (:meth:`_judge_cost`)."""
+        self._felt = felt
+
     # ------------------------------------------------------------------ requests
 
     def _guess_used(self, key: Key) -> None:
@@ -289,9 +322,19 @@ class DensityPolicy(CoactPolicy):
         applied = self._applied == self._epoch
         decode = super()._close_batch()
         if not applied and not self._lru and batch:
-            self._visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
+            self._timed_visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
         self._epoch += 1
         return decode
+
+    def _timed_visit(self, pos: int, batch: list[int], decode: bool) -> None:
+        """:meth:`_visit`, its time on the store's clock counted in :attr:`_cost_s`."""
+        now = self._now
+        if now is None:
+            self._visit(pos, batch, decode)
+            return
+        t0 = now()
+        self._visit(pos, batch, decode)
+        self._cost_s += now() - t0
 
     def _visit(self, pos: int, batch: list[int], decode: bool) -> None:
         """A batch complete: its visit into the ages and counts, the LRU shadow, and at a
@@ -392,12 +435,32 @@ class DensityPolicy(CoactPolicy):
             if self._decoded < REFRESH_SETTLED or self._decoded % REFRESH_EVERY == 0:
                 self._refresh()
         self._decoded += 1
+        mine = self._all_misses + self._used
+        theirs = self._shadow_misses
+        if self._decoded == 1 and self._felt is not None:  # the cost verdict counts from here
+            self._decode_mark = (self._felt(), self._cost_s, mine, theirs)
         if self._decoded >= MIN_TOKENS:
-            mine = self._all_misses + self._used
-            theirs = self._shadow_misses
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
+            elif self._decoded >= REFRESH_SETTLED and self._felt is not None:
+                self._judge_cost(self._felt, mine, theirs)
+
+    def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
+        """The ranking's cost verdict: LRU's eviction for good when the CPU this policy has
+        spent beyond ``coact``'s (:attr:`_cost_s`) exceeds the felt wait LRU would have had,
+        this policy's felt wait scaled by the LRU shadow's misses over its own: no eviction
+        order saves more than all of it (module docstring, "What it costs")."""
+        felt0, cost0, mine0, theirs0 = self._decode_mark
+        waited, spent, mine, theirs = felt() - felt0, self._cost_s - cost0, mine - mine0, theirs - theirs0
+        if mine <= 0:
+            return
+        at_most = waited * theirs / mine
+        if at_most < spent:
+            self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms, "
+                         f"more than the {1e3 * at_most:.0f} ms of felt wait any eviction could have saved "
+                         f"(LRU's: the felt wait, {1e3 * waited:.0f} ms, at the LRU shadow's {theirs} misses "
+                         f"against {mine}; since the first decode token)")
 
     def _to_lru(self, reason: str, overruled: bool = True) -> None:
         self._lru, self._lru_reason = True, reason
@@ -462,7 +525,7 @@ class DensityPolicy(CoactPolicy):
         an unranked key holds."""
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
         if not self._ranking_serves(self._epoch, cur):
-            self._rank(cur, self._epoch)
+            self._timed_rank(cur, self._epoch)
         res, E, layer_of = self._res_bytes, self._E, self._layers
         late = self._since_rank  # offered last, by their fresh densities
         # (the head and the tail are disjoint parts of one ranking: nothing is offered twice)
@@ -484,12 +547,25 @@ class DensityPolicy(CoactPolicy):
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
         if late:
+            now = self._now
+            t0 = now() if now is not None else 0.0
             fresh = np.array([f for f in late if res[f]], dtype=np.int64)
-            if fresh.size:
-                density = self._densities_of(fresh, cur)
-                for flat in fresh[np.argsort(density, kind="stable")].tolist():
-                    p, e = divmod(flat, E)
-                    yield (layer_of[p], e)
+            ordered = fresh[np.argsort(self._densities_of(fresh, cur), kind="stable")].tolist() if fresh.size else []
+            if now is not None:
+                self._cost_s += now() - t0
+            for flat in ordered:
+                p, e = divmod(flat, E)
+                yield (layer_of[p], e)
+
+    def _timed_rank(self, cur: int, epoch: int) -> None:
+        """:meth:`_rank`, its time on the store's clock counted in :attr:`_cost_s`."""
+        now = self._now
+        if now is None:
+            self._rank(cur, epoch)
+            return
+        t0 = now()
+        self._rank(cur, epoch)
+        self._cost_s += now() - t0
 
     def _rank(self, cur: int, epoch: int) -> None:
         """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
@@ -523,7 +599,7 @@ class DensityPolicy(CoactPolicy):
         if not self._lru and self._L and self._batch_pos >= 0:
             nxt, epoch = (self._batch_pos + 1) % self._L, self._epoch + 1
             if not self._ranking_serves(epoch, nxt):
-                self._rank(nxt, epoch)
+                self._timed_rank(nxt, epoch)
 
     def _densities(self, cur: int) -> tuple[F64, I64]:
         idx = np.flatnonzero(self._res)
@@ -560,7 +636,7 @@ class DensityPolicy(CoactPolicy):
             return super().end_batch()
         if batch and len(batch) <= self._k and self._applied != self._epoch:
             self._applied = self._epoch
-            self._visit(pos, batch, True)
+            self._timed_visit(pos, batch, True)
         if self._trial is None and not self._prefetching and not self._engine_seen:
             self._proposed.clear()
             return []

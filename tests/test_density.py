@@ -9,11 +9,18 @@ import numpy as np
 import pytest
 
 from iosched._errors import InvariantError
-from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
+from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
 from iosched.residency.coact import CoactPolicy
-from iosched.residency.density import GUARD_SIGMAS, MIN_TOKENS, MISS_FIXED_BYTES, RERANK_MAX, DensityPolicy
+from iosched.residency.density import (
+    GUARD_SIGMAS,
+    MIN_TOKENS,
+    MISS_FIXED_BYTES,
+    REFRESH_SETTLED,
+    RERANK_MAX,
+    DensityPolicy,
+)
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import routed_tokens
@@ -28,11 +35,12 @@ def density(budget: int, width: int | None = 0) -> tuple[DensityPolicy, Residenc
 
 def test_density_is_the_default_with_coacts_abilities() -> None:
     assert POLICIES["default"] is DensityPolicy and POLICIES["density"] is DensityPolicy
-    assert DensityPolicy.capabilities == CoactPolicy.capabilities
+    assert DensityPolicy.capabilities == CoactPolicy.capabilities | Capability.FELT_WAIT
     policy = make_policy("default", prefetch_width=2)
     assert isinstance(policy, DensityPolicy)
     hooks = bind(policy)
     assert hooks.end_batch is not None and hooks.prepare is not None and hooks.admit_prefetch is not None
+    assert hooks.set_felt_wait is not None and bind(CoactPolicy()).set_felt_wait is None
 
 
 def test_below_one_cycle_it_keeps_what_lru_evicts() -> None:
@@ -85,6 +93,77 @@ def test_the_shadow_turns_the_eviction_to_lru_when_the_ranking_misses_more() -> 
     verdict = policy.cost_verdict
     assert verdict is not None and "LRU shadow" in verdict
     assert list(policy.victims()) == list(policy._order)
+
+
+class SteppingClock:
+    """A store clock that moves ``step`` seconds at every read: every timed piece of the
+    policy's work then costs at least ``step``."""
+
+    def __init__(self, step: float) -> None:
+        self.step, self.t = step, 0.0
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def costed_density(budget: int, step: float, felt_per_miss: float) -> DensityPolicy:
+    """``density`` told a clock that moves ``step`` a read and a felt wait of
+    ``felt_per_miss`` seconds for each of its misses so far."""
+    policy, _ = density(budget)
+    policy.set_clock(SteppingClock(step))
+    policy.set_felt_wait(lambda: felt_per_miss * (policy._all_misses + policy._used))
+    return policy
+
+
+def test_a_ranking_that_costs_more_than_any_eviction_could_save_turns_to_lru() -> None:
+    """Skewed routing at one token cycle, where the ranking misses fewer than LRU: with each
+    of its pieces of work costing 10 ms and each miss felt for 1 us, the whole felt wait LRU
+    would have had (the most any eviction order could save) is far below what it costs.  Not
+    before :data:`REFRESH_SETTLED` decode tokens (the tables settle); from then on LRU's
+    order, for good, and the verdict gives both sides."""
+    tokens = routed_tokens(REFRESH_SETTLED + 4)
+    policy = costed_density(TD, step=0.01, felt_per_miss=1e-6)
+    table = ResidencyTable(TD, policy)
+    drive(table, tokens[:REFRESH_SETTLED - 1])
+    assert policy.eviction == "density" and policy._cost_s > 0
+    drive(table, tokens[REFRESH_SETTLED - 1:])
+    assert policy.eviction.startswith(f"lru (lru after {REFRESH_SETTLED} decode tokens: the ranking cost")
+    verdict = policy.cost_verdict
+    assert verdict is not None and "felt wait any eviction could have saved" in verdict and "LRU shadow" in verdict
+    assert list(policy.victims()) == list(policy._order)
+
+
+@pytest.mark.parametrize(("step", "felt_per_miss"), [(0.0, 1e-6), (1e-6, 1.0)])
+def test_a_ranking_that_costs_nothing_or_saves_more_than_it_costs_stays(step: float, felt_per_miss: float) -> None:
+    """The same run with free CPU (the critical-path replay's ``--cpu free``: the clock
+    stands still while the policy works), or with misses priced far above the ranking's
+    microseconds: the ranking stays, and the hits are those of a policy with no clock."""
+    tokens = routed_tokens(3 * REFRESH_SETTLED)
+    clockless, table = density(TD)
+    expected = drive(table, tokens)
+    policy = costed_density(TD, step, felt_per_miss)
+    assert drive(ResidencyTable(TD, policy), tokens) == expected
+    assert policy.eviction == "density" and policy.cost_verdict is None
+
+
+def test_the_store_hands_the_default_its_felt_wait(st_checkpoint: Path) -> None:
+    """``set_felt_wait``: the store's callable reads the felt wait ``stats()`` reports."""
+    import asyncio
+
+    from iosched import ExpertStore
+
+    async def main() -> None:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
+                                          experts_per_token=2) as store:
+            policy = store._table.policy
+            assert isinstance(policy, DensityPolicy) and policy._felt is not None
+            async with store.acquire_many([(0, 0), (0, 1)]):
+                pass
+            felt = store.stats()["felt_wait_s"]
+            assert felt > 0 and policy._felt() == felt
+
+    asyncio.run(main())
 
 
 def test_a_ranking_no_worse_than_lru_is_not_overruled() -> None:
