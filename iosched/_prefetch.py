@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from iosched.residency import Entry, Hooks, ResidencyTable
 
+from . import _clock
 from ._layout import ExpertKey, ExpertLayout
 from ._pacing import IdlePacer
 from ._room import Lifecycle
@@ -209,6 +210,10 @@ class Prefetcher:
         """Prefetch loads a demand acquire joined."""
         self.policy_batches = 0
         """Batches after which the policy proposed prefetches."""
+        self.work_in_felt_s = 0.0
+        """Seconds of the policy's batch-end work that ran while the engine waited, inside its
+        felt wait (an engine computing on the loop): the felt wait the policy is told
+        (``set_felt_wait``) leaves them out, as they are its own cost, not the reads'."""
         self.expected = self.expect_started = 0
         """Experts the engine's lookahead (``ExpertStore.expect``) proposed, and loads of them
         started."""
@@ -270,17 +275,23 @@ class Prefetcher:
         end_batch, prepare = self._hooks.end_batch, self._hooks.prepare
         if end_batch is None or not self.proposing:
             return
-        if not self.engine_waiting():  # (release_gil: why, why once, and why not then)
+        waiting = self.engine_waiting()
+        if not waiting:  # (release_gil: why, why once, and why not then)
             release_gil()  # the engine's compute thread, just handed its layer, goes first
-        wanted = end_batch()
-        if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
-            self.proposing = False
-            return
-        if wanted:
-            self.policy_batches += 1
-            self._proposed(wanted)
-        if prepare is not None:
-            prepare()
+        started = _clock.now() if waiting else 0.0
+        try:
+            wanted = end_batch()
+            if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
+                self.proposing = False
+                return
+            if wanted:
+                self.policy_batches += 1
+                self._proposed(wanted)
+            if prepare is not None:
+                prepare()
+        finally:
+            if waiting:
+                self.work_in_felt_s += _clock.now() - started
 
     def expect(self, layer: int, probabilities: npt.NDArray[np.float64], min_probability: float) -> list[ExpertKey]:
         """The engine's lookahead for ``layer``: its experts of at least ``min_probability``,

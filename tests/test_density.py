@@ -161,7 +161,31 @@ def test_the_store_hands_the_default_its_felt_wait(st_checkpoint: Path) -> None:
             async with store.acquire_many([(0, 0), (0, 1)]):
                 pass
             felt = store.stats()["felt_wait_s"]
-            assert felt > 0 and policy._felt() == felt
+            assert felt > 0 and policy._felt() == felt - store._prefetcher.work_in_felt_s
+
+    asyncio.run(main())
+
+
+def test_the_felt_wait_it_is_told_leaves_out_its_own_work_inside_it(st_checkpoint: Path) -> None:
+    """An engine computing on the loop waits while the batch-end work runs: that time is the
+    policy's own cost, not the reads', and the felt wait it is told leaves it out."""
+    import asyncio
+
+    from iosched import ExpertStore
+
+    async def main() -> None:
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
+                                          experts_per_token=2) as store:
+            policy = store._table.policy
+            assert isinstance(policy, DensityPolicy) and policy._felt is not None
+            prefetcher = store._prefetcher
+            prefetcher.engine_waiting = lambda: True  # as if the engine awaited a read meanwhile
+            for layer in (0, 1, 0):
+                async with store.acquire_many([(layer, 0), (layer, 1)]):
+                    await asyncio.sleep(0)  # the batch-end work runs at the engine's next await
+            assert prefetcher.work_in_felt_s > 0
+            felt = store.stats()["felt_wait_s"]
+            assert policy._felt() == pytest.approx(felt - prefetcher.work_in_felt_s)
 
     asyncio.run(main())
 
