@@ -55,7 +55,8 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   0.84x ``lru``, its visits and rankings 46 ms over 15 decode tokens against 18 ms of felt
   wait in all (docs/demo.md, session 44).  So the
   policy times its own work on the store's clock (``set_clock``) and the store tells it the
-  engine's felt wait so far (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode
+  engine's felt wait so far, less its own batch-end work that ran inside it
+  (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode
   token on, when what it spent exceeds the felt wait LRU would have had (this policy's,
   scaled by the LRU shadow's misses over its own), the most any eviction order could save,
   the eviction is LRU's for good, as the shadow's verdict makes it.  A bound, not an
