@@ -323,18 +323,19 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         applied = self._applied == self._epoch
         decode = super()._close_batch()
         if not applied and not self._lru and batch:
-            self._timed_visit(pos, batch, decode)  # the batch-end work did not run (module docstring)
+            self._timed(self._visit, pos, batch, decode)  # the batch-end work did not run (module docstring)
         self._epoch += 1
         return decode
 
-    def _timed_visit(self, pos: int, batch: list[int], decode: bool) -> None:
-        """:meth:`_visit`, its time on the store's clock counted in :attr:`_cost_s`."""
+    def _timed(self, work: Callable[..., object], *args: object) -> None:
+        """``work(*args)`` (a visit or a ranking), its time on the store's clock counted in
+        :attr:`_cost_s`."""
         now = self._now
         if now is None:
-            self._visit(pos, batch, decode)
+            work(*args)
             return
         t0 = now()
-        self._visit(pos, batch, decode)
+        work(*args)
         self._cost_s += now() - t0
 
     def _visit(self, pos: int, batch: list[int], decode: bool) -> None:
@@ -526,7 +527,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         an unranked key holds."""
         cur = self._batch_pos if self._batch_pos >= 0 else self._cur
         if not self._ranking_serves(self._epoch, cur):
-            self._timed_rank(cur, self._epoch)
+            self._timed(self._rank, cur, self._epoch)
         res, E, layer_of = self._res_bytes, self._E, self._layers
         late = self._since_rank  # offered last, by their fresh densities
         # (the head and the tail are disjoint parts of one ranking: nothing is offered twice)
@@ -557,16 +558,6 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             for flat in ordered:
                 p, e = divmod(flat, E)
                 yield (layer_of[p], e)
-
-    def _timed_rank(self, cur: int, epoch: int) -> None:
-        """:meth:`_rank`, its time on the store's clock counted in :attr:`_cost_s`."""
-        now = self._now
-        if now is None:
-            self._rank(cur, epoch)
-            return
-        t0 = now()
-        self._rank(cur, epoch)
-        self._cost_s += now() - t0
 
     def _rank(self, cur: int, epoch: int) -> None:
         """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
@@ -600,7 +591,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         if not self._lru and self._L and self._batch_pos >= 0:
             nxt, epoch = (self._batch_pos + 1) % self._L, self._epoch + 1
             if not self._ranking_serves(epoch, nxt):
-                self._timed_rank(nxt, epoch)
+                self._timed(self._rank, nxt, epoch)
 
     def _densities(self, cur: int) -> tuple[F64, I64]:
         idx = np.flatnonzero(self._res)
@@ -637,7 +628,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             return super().end_batch()
         if batch and len(batch) <= self._k and self._applied != self._epoch:
             self._applied = self._epoch
-            self._timed_visit(pos, batch, True)
+            self._timed(self._visit, pos, batch, True)
         if self._trial is None and not self._prefetching and not self._engine_seen:
             self._proposed.clear()
             return []
