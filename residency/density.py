@@ -49,21 +49,20 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
 - **What it costs** (the cost verdict, :meth:`_judge_cost`).  The visits and the rankings are
   Python and numpy on the event loop: ~160 us a layer in a real run where the engine's compute
   swept the caches before them (qwen, 1 TD, compute in a thread, session 44: the ranking
-  102-114 us, the visit 48 us).  Where the reads cost the engine almost nothing (small
-  experts, or reads the page cache serves while it computes) no eviction order can save that
-  much: ``iosched demo`` (36 KiB experts from the page cache, 4 TD) ran ``default`` at
-  0.84x ``lru``, its visits and rankings 46 ms over 15 decode tokens against 18 ms of felt
-  wait in all (docs/demo.md, session 44).  So the
-  policy times its own work on the store's clock (``set_clock``) and the store tells it the
-  engine's felt wait so far, less its own batch-end work that ran inside it
-  (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode
-  token on, when what it spent exceeds the felt wait LRU would have had (this policy's,
-  scaled by the LRU shadow's misses over its own), the most any eviction order could save,
-  the eviction is LRU's for good, as the shadow's verdict makes it.  A bound, not an
-  estimate of the saving: a rule that priced the misses it saves so far fired at qwen 4 TD
-  before the ranking's lead came (session 42, reverted); this one waits for a ranking whose
-  every possible saving is below its cost.  Where CPU is free (the critical-path replay's
-  ``--cpu free``) it never fires, so the same inputs still give the same numbers.
+  102-114 us, the visit 48 us).  Where the reads cost the engine almost nothing (small experts,
+  or reads the page cache serves while it computes) no eviction order can save that much:
+  ``iosched demo`` (36 KiB experts from the page cache, 4 TD) ran ``default`` at 0.84x ``lru``,
+  its visits and rankings 46 ms over 15 decode tokens against 18 ms of felt wait in all
+  (docs/demo.md, session 44).  So the policy times its own work on the store's clock
+  (``set_clock``) and the store tells it the engine's felt wait so far, less its own batch-end
+  work that ran inside it (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode token
+  on, when what it spent exceeds the felt wait LRU would have had (this policy's, scaled by the
+  LRU shadow's misses over its own), the most any eviction order could save, the eviction is
+  LRU's for good, as the shadow's verdict makes it.  A bound, not an estimate of the saving: a
+  rule that priced the misses it saves so far fired at qwen 4 TD before the ranking's lead came
+  (session 42, reverted); this one waits for a ranking whose every possible saving is below its
+  cost.  Where CPU is free (the critical-path replay's ``--cpu free``) it never fires, so the
+  same inputs still give the same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
