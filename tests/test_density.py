@@ -3,11 +3,13 @@ hit density, and the LRU shadow that can overrule the ranking."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from iosched import ExpertStore
 from iosched._errors import InvariantError
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
@@ -147,31 +149,12 @@ def test_a_ranking_that_costs_nothing_or_saves_more_than_it_costs_stays(step: fl
     assert policy.eviction == "density" and policy.cost_verdict is None
 
 
-def test_the_store_hands_the_default_its_felt_wait(st_checkpoint: Path) -> None:
-    """``set_felt_wait``: the store's callable reads the felt wait ``stats()`` reports."""
-    import asyncio
-
-    from iosched import ExpertStore
-
-    async def main() -> None:
-        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
-                                          experts_per_token=2) as store:
-            policy = store._table.policy
-            assert isinstance(policy, DensityPolicy) and policy._felt is not None
-            async with store.acquire_many([(0, 0), (0, 1)]):
-                pass
-            felt = store.stats()["felt_wait_s"]
-            assert felt > 0 and policy._felt() == felt - store._prefetcher.work_in_felt_s
-
-    asyncio.run(main())
-
-
-def test_the_felt_wait_it_is_told_leaves_out_its_own_work_inside_it(st_checkpoint: Path) -> None:
-    """An engine computing on the loop waits while the batch-end work runs: that time is the
-    policy's own cost, not the reads', and the felt wait it is told leaves it out."""
-    import asyncio
-
-    from iosched import ExpertStore
+@pytest.mark.parametrize("engine_waits", [False, True])
+def test_the_store_hands_the_default_its_felt_wait_less_its_own_work(st_checkpoint: Path,
+                                                                      engine_waits: bool) -> None:
+    """``set_felt_wait``: the store's callable reads the felt wait ``stats()`` reports, less
+    the batch-end work that ran while the engine waited (an engine computing on the loop waits
+    while it runs: that time is the policy's own cost, not the reads')."""
 
     async def main() -> None:
         async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
@@ -179,13 +162,17 @@ def test_the_felt_wait_it_is_told_leaves_out_its_own_work_inside_it(st_checkpoin
             policy = store._table.policy
             assert isinstance(policy, DensityPolicy) and policy._felt is not None
             prefetcher = store._prefetcher
-            prefetcher.engine_waiting = lambda: True  # as if the engine awaited a read meanwhile
+            if engine_waits:
+                prefetcher.engine_waiting = lambda: True  # as if the engine awaited a read meanwhile
             for layer in (0, 1, 0):
                 async with store.acquire_many([(layer, 0), (layer, 1)]):
                     await asyncio.sleep(0)  # the batch-end work runs at the engine's next await
-            assert prefetcher.work_in_felt_s > 0
             felt = store.stats()["felt_wait_s"]
-            assert policy._felt() == pytest.approx(felt - prefetcher.work_in_felt_s)
+            assert felt > 0 and (prefetcher.work_in_felt_s > 0) == engine_waits
+            if engine_waits:
+                assert policy._felt() == pytest.approx(felt - prefetcher.work_in_felt_s)
+            else:
+                assert policy._felt() == felt
 
     asyncio.run(main())
 
