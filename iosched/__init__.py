@@ -35,7 +35,7 @@ from ._layout import (
     SkippedTensors,
     TensorSpec,
 )
-from ._lease import ArrivalGroup, Lease, LeaseGroup
+from ._lease import ArrivalGroup, Lease, LeaseGroup, ThreadArrivals
 from ._manifest import ManifestSummary, default_manifest_path, write_manifest
 from ._pack import ExpertMove, PackError, PackReport, Placement, pack_checkpoint
 from ._settings import override as override_settings
@@ -77,6 +77,7 @@ __all__ = [
     "StoreError",
     "StoreStats",
     "TensorSpec",
+    "ThreadArrivals",
     "TierStats",
     "UnknownExpertError",
     "default_manifest_path",

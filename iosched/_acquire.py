@@ -31,6 +31,7 @@ from . import _clock
 from ._autogrow import AutoGrow
 from ._errors import StoreClosed, StoreError, UnknownExpertError
 from ._layout import CheckpointIndex, ExpertKey, ExpertLayout
+from ._lease import ThreadArrivals
 from ._loads import Loader
 from ._prefetch import Prefetcher, PrefetchLedger
 from ._room import Lifecycle, Room
@@ -73,7 +74,11 @@ class Acquirer:
         self.felt_wait_s = 0.0
         self._waiting = 0
         """Acquires waiting now; the felt wait runs while it is above zero."""
-        prefetcher.engine_waiting = lambda: self._waiting > 0
+        self._takers: list[ThreadArrivals] = []
+        """Threads of the engine's taking a group's batches (``in_thread``), until its exit:
+        their blocked time is felt wait as it runs (:meth:`felt_so_far`)."""
+        prefetcher.engine_waiting = self._engine_waiting
+        prefetcher.felt_so_far = self.felt_so_far
         prefetcher.engine_resumes_first = self._engine_resumes_first
         self._wait_since = 0.0
         self._felt: list[asyncio.Future[object]] = []
@@ -310,6 +315,27 @@ class Acquirer:
     def batch_done(self) -> None:
         self._prefetcher.batch_done()
 
+    def thread_takes(self, taker: ThreadArrivals) -> None:
+        self._takers.append(taker)
+
+    def thread_done(self, taker: ThreadArrivals) -> None:
+        self._takers.remove(taker)
+        self.felt_wait_s += taker.blocked_s(_clock.now())
+
+    def _engine_waiting(self) -> bool:
+        """Whether the engine waits for a load now: an acquire on the loop, or a thread of
+        its blocked for a group's batch."""
+        return self._waiting > 0 or any(taker.blocked for taker in self._takers)
+
+    def felt_so_far(self) -> float:
+        """The felt wait up to now: the waits ended, the one running, and the blocked time of
+        the threads taking batches (the stats add those at the group's exit)."""
+        now = _clock.now()
+        felt = self.felt_wait_s + (now - self._wait_since if self._waiting else 0.0)
+        for taker in self._takers:
+            felt += taker.blocked_s(now)
+        return felt
+
 
 class GroupWait:
     """A group's misses in flight (:meth:`Acquirer.start_group`), collected as they finish.
@@ -392,6 +418,17 @@ class GroupWait:
                                    if task.cancelled() else task.exception() or task.result()))
         done, self._done = self._done, []
         return done
+
+    def on_each_finish(self, callback: Callable[[], None]) -> None:
+        """``callback()`` on the loop as each acquire still open finishes (a done callback on
+        its load's future or its task), and once soon if some finished already; a callback
+        after :meth:`abandon` must do nothing (the caller's to check)."""
+        for _, future in self._joined.values():
+            future.add_done_callback(lambda _: callback())
+        for task in self._parked.values():
+            task.add_done_callback(lambda _: callback())
+        if self._done:
+            asyncio.get_running_loop().call_soon(callback)
 
     async def collect(self, every: bool = False, felt: bool = False) -> list[tuple[int, Entry | BaseException]]:
         """:meth:`collect_done`, once at least one acquire finished since the last collect

@@ -9,11 +9,14 @@ only through :class:`LeaseSource`, the operations of the acquire path
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Protocol
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, cast
 
 from iosched.residency import Entry
 
+from . import _clock
 from ._errors import StoreError
 from ._layout import ExpertKey, ExpertLayout
 from ._view import ExpertView
@@ -28,6 +31,13 @@ class PendingGroup(Protocol):
 
     async def collect(self, every: bool = False, felt: bool = False) -> list[tuple[int, Entry | BaseException]]:
         """Those finished since the last collect (awaiting one, or ``every`` one), leased."""
+
+    def collect_done(self) -> list[tuple[int, Entry | BaseException]]:
+        """Those finished since the last collect, leased, without awaiting."""
+
+    def on_each_finish(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the loop as each acquire still open finishes (and once soon
+        if some finished already)."""
 
     async def abandon(self) -> None:
         """Release, unpin or cancel whatever was not collected."""
@@ -63,6 +73,12 @@ class LeaseSource(Protocol):
 
     def batch_done(self) -> None:
         """An ``acquire_many`` holds all its leases: the engine computes on that layer now."""
+
+    def thread_takes(self, taker: ThreadArrivals) -> None:
+        """A thread of the engine's takes a group's batches: its blocked time is felt wait."""
+
+    def thread_done(self, taker: ThreadArrivals) -> None:
+        """The group exited: its thread's blocked time joins the felt wait for good."""
 
 
 def _view_of(entry: Entry) -> ExpertView:
@@ -191,9 +207,13 @@ class ArrivalGroup:
     resident expert of that layer ready to compute.  Computing those meanwhile takes the reads
     off the critical path as far as the compute lasts (docs/benchmarks.md, "Compute on what is
     at hand").
+
+    An engine that computes in a thread of its own takes the batches there instead, with
+    :meth:`in_thread`: one hand-off to that thread a layer rather than one a batch
+    (:class:`ThreadArrivals`).
     """
 
-    __slots__ = ("_source", "_keys", "_entries", "_group", "_first", "_errors", "_entered")
+    __slots__ = ("_source", "_keys", "_entries", "_group", "_first", "_errors", "_entered", "_consumer")
 
     def __init__(self, source: LeaseSource, keys: Iterable[ExpertKey]) -> None:
         self._source = source
@@ -204,6 +224,8 @@ class ArrivalGroup:
         self._first: list[ExpertView] | None = None
         self._errors: list[BaseException] = []
         self._entered = False
+        self._consumer: ThreadArrivals | None = None
+        """The thread's iterator (:meth:`in_thread`), while the group has one."""
 
     async def __aenter__(self) -> ArrivalGroup:
         if self._entered:
@@ -245,6 +267,9 @@ class ArrivalGroup:
         return self
 
     async def __anext__(self) -> list[ExpertView]:
+        if self._consumer is not None:
+            raise StoreError("this acquire_as_ready group hands its batches to a thread (in_thread): "
+                             "iterate there, not here")
         first, self._first = self._first, None
         if first:
             return first
@@ -260,6 +285,56 @@ class ArrivalGroup:
             if views:
                 return views
 
+    def in_thread(self) -> ThreadArrivals:
+        """The group's batches for a thread other than the event loop's, the engine's compute
+        thread: ``for views in arrivals.in_thread()`` there, blocking until each next batch
+        is in.  Call it on the loop, inside the group, instead of iterating here; then await
+        the thread's work before the group exits (its exit releases every lease).
+
+        Why: an engine whose compute runs in a thread would otherwise hand each batch over
+        with its own round trip between the loop and that thread (``run_in_executor``: a
+        submit, a wake-up, a result back through the loop's self-pipe): 51 us apiece on
+        uvloop, 57 on asyncio, on this project's 2-vCPU VM with nothing else running (5,000
+        empty calls, session 45), and as many a layer as batches land apart.  Here the thread blocks on a queue that the loop fills as each load
+        finishes (a done callback on the load, no task step): one round trip a layer
+        (docs/benchmarks.md, "Batches handed to the compute thread").  The time the thread
+        blocks counts as felt wait, as an ``__anext__``'s await does: the store sees it while
+        it runs (the policy's batch-end work inside it is left out of what the policy is
+        told, and hands no GIL over to a thread that waits)."""
+        if not self._entered:
+            raise StoreError("in_thread() needs the acquire_as_ready group entered (async with)")
+        if self._consumer is not None or self._first is None:
+            raise StoreError("this acquire_as_ready group's batches were already taken (in_thread, or async for)")
+        first, self._first = self._first, None
+        consumer = ThreadArrivals(threading.get_ident())
+        self._consumer = consumer
+        self._source.thread_takes(consumer)
+        if first:
+            consumer.put(first)
+        group = self._group
+        if group is None:
+            consumer.put(_END)
+        else:
+            group.on_each_finish(self._landed)
+        return consumer
+
+    def _landed(self) -> None:
+        """On the loop, as one of the group's acquires finished: what finished, leased, to the
+        thread (views first, then each error, as ``__anext__`` orders them), and the end once
+        none is open.  Nothing after the group exited."""
+        consumer, group = self._consumer, self._group
+        if consumer is None or group is None:
+            return
+        views = self._take(group.collect_done())
+        if views:
+            consumer.put(views)
+        errors, self._errors = self._errors, []
+        for error in errors:
+            consumer.put(error)
+        if not group.pending:
+            self._group = None
+            consumer.put(_END)
+
     def _take(self, got: list[tuple[int, Entry | BaseException]]) -> list[ExpertView]:
         """The views of the leased entries in ``got`` (held from now on); errors kept for the
         next ``__anext__``."""
@@ -273,6 +348,10 @@ class ArrivalGroup:
         return views
 
     async def __aexit__(self, *exc_info: object) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            consumer.close()
+            self._source.thread_done(consumer)
         await self._abandon()
 
     async def _abandon(self) -> None:
@@ -288,6 +367,98 @@ class ArrivalGroup:
         entries, self._entries = self._entries, []
         for entry in entries:
             self._source.release(entry)
+
+
+_END = object()
+"""The last item a :class:`ThreadArrivals` queue holds: the group has no batch left."""
+
+
+class ThreadArrivals:
+    """``for views in arrivals.in_thread()``: an ``acquire_as_ready`` group's batches in a
+    thread other than the event loop's (:meth:`ArrivalGroup.in_thread`), each ``next``
+    blocking until at least one expert is in and holding every one in by then (the first
+    batch: at least those resident on entry), a failed acquire raised after the batch that
+    held the others, as ``async for`` gives them.
+
+    The loop puts each batch on a ``queue.SimpleQueue`` (a C queue: a put wakes a blocked
+    ``get`` without the loop's help) as the group's loads finish; the thread takes them.  The
+    views are leased by the group until it exits, so the engine awaits its thread's work
+    inside the group; a batch taken after the exit raises ``StoreError`` instead of handing
+    over released views, and a thread blocked when the group exits is woken and stops.
+    Invariant: only the loop puts, only one thread takes, and the blocked time
+    (:meth:`blocked_s`) is written by that thread alone, in one assignment, so that the loop
+    reads it whole at any moment."""
+
+    __slots__ = ("_queue", "_loop_thread", "_closed", "_held", "_blocked")
+
+    def __init__(self, loop_thread: int) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._loop_thread = loop_thread
+        self._closed = False
+        self._held: object = None
+        """An item taken while gathering a batch that ends it (an error, the end): the next's."""
+        self._blocked: tuple[float, float | None] = (0.0, None)
+        """Seconds the taking thread blocked for a batch (the engine's felt wait) before the
+        present block, and when the present one began (``None``: not blocked)."""
+
+    def put(self, item: object) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """The group exits: wake a blocked thread, refuse what is left."""
+        self._closed = True
+        self._queue.put(_END)
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the thread is blocked for a batch now."""
+        return self._blocked[1] is not None
+
+    def blocked_s(self, now: float) -> float:
+        """Seconds the thread blocked for a batch so far, the present block up to ``now``."""
+        done, since = self._blocked
+        return done if since is None else done + max(0.0, now - since)
+
+    def __iter__(self) -> Iterator[list[ExpertView]]:
+        return self
+
+    def __next__(self) -> list[ExpertView]:
+        if threading.get_ident() == self._loop_thread:
+            raise StoreError("ThreadArrivals blocks until a load finishes: iterate in the engine's compute "
+                             "thread, not on the event loop (there, use async for)")
+        q = self._queue
+        item, self._held = self._held, None
+        if item is None:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                done = self._blocked[0]
+                started = _clock.now()
+                self._blocked = (done, started)
+                try:
+                    item = q.get()
+                finally:
+                    self._blocked = (done + (_clock.now() - started), None)
+        if item is _END:
+            self._held = _END  # every later next stops too
+            raise StopIteration
+        if self._closed:
+            raise StoreError("the acquire_as_ready group exited before its thread took this batch: its "
+                             "leases are released (await the thread's work inside the group)")
+        if isinstance(item, BaseException):
+            raise item
+        views = list(cast("list[ExpertView]", item))
+        while True:  # every load in by now joins this batch, as with async for
+            try:
+                more = q.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(more, list):
+                views += more
+            else:  # an error or the end: the next call's
+                self._held = more
+                break
+        return views
 
 
 async def _settle(tasks: list[asyncio.Task[ExpertView]]) -> None:

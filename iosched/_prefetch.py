@@ -45,7 +45,6 @@ import numpy.typing as npt
 
 from iosched.residency import Entry, Hooks, ResidencyTable
 
-from . import _clock
 from ._layout import ExpertKey, ExpertLayout
 from ._pacing import IdlePacer
 from ._room import Lifecycle
@@ -194,7 +193,11 @@ class Prefetcher:
         self._batch_end_at: int | None = None
         """``requests`` when the last ``acquire_many`` completed, until the policy was told."""
         self.engine_waiting: Callable[[], bool] = lambda: False
-        """Whether an acquire awaits a load now (the store's :class:`Acquirer` sets it)."""
+        """Whether the engine waits for a load now: an acquire awaits one, or a thread of the
+        engine's blocks for a group's batch (the store's :class:`Acquirer` sets it)."""
+        self.felt_so_far: Callable[[], float] = lambda: 0.0
+        """The engine's felt wait up to now, the wait in progress included (the
+        :class:`Acquirer` sets it): what of the batch-end work ran inside it."""
         self.engine_resumes_first: Callable[[], bool] = lambda: False
         """Whether the engine's wait is about to end and it will wait again in this batch, so
         that the batch-end work is better run then (the :class:`Acquirer` sets it)."""
@@ -212,8 +215,9 @@ class Prefetcher:
         """Batches after which the policy proposed prefetches."""
         self.work_in_felt_s = 0.0
         """Seconds of the policy's batch-end work that ran while the engine waited, inside its
-        felt wait (an engine computing on the loop): the felt wait the policy is told
-        (``set_felt_wait``) leaves them out, as they are its own cost, not the reads'."""
+        felt wait (an engine computing on the loop, or a compute thread blocked for its next
+        batch): the felt wait the policy is told (``set_felt_wait``) leaves them out, as they
+        are its own cost, not the reads'."""
         self.expected = self.expect_started = 0
         """Experts the engine's lookahead (``ExpertStore.expect``) proposed, and loads of them
         started."""
@@ -278,7 +282,7 @@ class Prefetcher:
         waiting = self.engine_waiting()
         if not waiting:  # (release_gil: why, why once, and why not then)
             release_gil()  # the engine's compute thread, just handed its layer, goes first
-        started = _clock.now() if waiting else 0.0
+        felt_before = self.felt_so_far()
         try:
             wanted = end_batch()
             if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
@@ -289,9 +293,8 @@ class Prefetcher:
                 self._proposed(wanted)
             if prepare is not None:
                 prepare()
-        finally:
-            if waiting:
-                self.work_in_felt_s += _clock.now() - started
+        finally:  # the part of the work the engine waited through (all of it on the loop)
+            self.work_in_felt_s += self.felt_so_far() - felt_before
 
     def expect(self, layer: int, probabilities: npt.NDArray[np.float64], min_probability: float) -> list[ExpertKey]:
         """The engine's lookahead for ``layer``: its experts of at least ``min_probability``,

@@ -132,7 +132,7 @@ class ExpertStore:
                                   counts, self._growth, owner=self._check_loop)
         if table.hooks.set_felt_wait is not None:  # a policy that weighs its own CPU against the felt wait
             acquirer, prefetcher = self._acquirer, self._prefetcher  # (less its own work inside it)
-            table.hooks.set_felt_wait(lambda: acquirer.felt_wait_s - prefetcher.work_in_felt_s)
+            table.hooks.set_felt_wait(lambda: acquirer.felt_so_far() - prefetcher.work_in_felt_s)
         table.set_on_evict(self._on_evict)
         self._telemetry = parts.telemetry
         self._usage: UsageHistory | None = None

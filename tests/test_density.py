@@ -4,6 +4,8 @@ hit density, and the LRU shadow that can overrule the ranking."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from iosched.residency.density import (
     DensityPolicy,
 )
 from iosched.residency.lru import LRUPolicy
+from tests._wrappers import GatedBackend
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import routed_tokens
 from tests.test_moe import SHAPE, TD, UNIT, drive, run_store_with_prefetch
@@ -153,20 +156,33 @@ def test_a_ranking_that_costs_nothing_or_saves_more_than_it_costs_stays(step: fl
 def test_the_store_hands_the_default_its_felt_wait_less_its_own_work(st_checkpoint: Path,
                                                                       engine_waits: bool) -> None:
     """``set_felt_wait``: the store's callable reads the felt wait ``stats()`` reports, less
-    the batch-end work that ran while the engine waited (an engine computing on the loop waits
-    while it runs: that time is the policy's own cost, not the reads')."""
+    the batch-end work that ran while the engine waited (there that time is the policy's own
+    cost, not the reads').  Here the engine waits as a compute thread does that takes a
+    group's batches (``in_thread``): blocked for a read held back while the work runs."""
 
     async def main() -> None:
+        backend = GatedBackend()
+        backend.gate.set()
         async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
-                                          experts_per_token=2) as store:
+                                          experts_per_token=2, backend=backend) as store:
             policy = store._table.policy
             assert isinstance(policy, DensityPolicy) and policy._felt is not None
             prefetcher = store._prefetcher
-            if engine_waits:
-                prefetcher.engine_waiting = lambda: True  # as if the engine awaited a read meanwhile
             for layer in (0, 1, 0):
-                async with store.acquire_many([(layer, 0), (layer, 1)]):
-                    await asyncio.sleep(0)  # the batch-end work runs at the engine's next await
+                if not engine_waits:
+                    async with store.acquire_many([(layer, 0), (layer, 1)]):
+                        await asyncio.sleep(0)  # the batch-end work runs at the engine's next await
+                    continue
+                backend.gate.clear()
+                async with store.acquire_as_ready([(layer, 0), (layer, 1)]) as arrivals:
+                    batches = arrivals.in_thread()
+                    taker = threading.Thread(target=list, args=(batches,))
+                    taker.start()
+                    while not batches.blocked and taker.is_alive():  # no await: the work waits for it
+                        time.sleep(0.001)
+                    await asyncio.sleep(0.005)  # the batch-end work, the thread blocked meanwhile
+                    backend.gate.set()
+                    await asyncio.to_thread(taker.join)
             felt = store.stats()["felt_wait_s"]
             assert felt > 0 and (prefetcher.work_in_felt_s > 0) == engine_waits
             if engine_waits:

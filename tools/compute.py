@@ -38,7 +38,7 @@ import contextlib
 import ctypes
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from iosched import ExpertView, StoreError, clock
+from iosched import ExpertKey, ExpertView, StoreError, clock
 
 from . import _command
 
@@ -590,6 +590,25 @@ class Compute:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.run_layer, views, rows)
         else:
             self.run_layer(views, rows)
+
+    @property
+    def in_thread(self) -> bool:
+        """Whether the compute runs in a thread of its own (numpy, ``on="thread"``): an
+        ``acquire_as_ready`` group then hands its batches to that thread (:meth:`arrivals`)."""
+        return self._pool is not None
+
+    async def arrivals(self, batches: Iterable[Sequence[ExpertView]], rows_of: Mapping[ExpertKey, int]) -> None:
+        """Compute on each batch of ``batches`` (a group's ``in_thread()``, blocking between
+        them) in the compute thread, each view on its ``rows_of[view.key]`` rows: one hand-off
+        to the thread a layer, not one a batch (docs/benchmarks.md, "Batches handed to the
+        compute thread")."""
+        if self._pool is None:
+            raise StoreError(f"compute {self.label!r} has no thread to take the batches in")
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._run_batches, batches, rows_of)
+
+    def _run_batches(self, batches: Iterable[Sequence[ExpertView]], rows_of: Mapping[ExpertKey, int]) -> None:
+        for views in batches:
+            self.run_layer(views, [rows_of[view.key] for view in views])
 
     def _sweep(self, nbytes: int) -> None:
         if self._cold is None:

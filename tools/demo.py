@@ -280,7 +280,8 @@ async def lease_and_compute(store: EngineStore, keys: list[ExpertKey], rows: lis
 
     ``compute.awaits`` says what the engine awaits: ``as-ready`` computes on each batch of
     views ``acquire_as_ready`` hands over (the resident ones first) while the others load, on a
-    store that has it; ``all`` (and the hand-written arm, which a user writes around
+    store that has it (a compute thread takes them there, ``in_thread``: one hand-off a
+    layer); ``all`` (and the hand-written arm, which a user writes around
     ``os.pread``) awaits ``acquire_many``.  ``fresh`` tells a compute model how many of the
     views it computes on were just read (misses; a join of a prefetch in flight counts as at
     hand, as ``_hit_counters`` counts it)."""
@@ -303,6 +304,9 @@ async def lease_and_compute(store: EngineStore, keys: list[ExpertKey], rows: lis
         found = at_hand + tally1.single_flight_joins - tally0.single_flight_joins
         if before_compute is not None:
             before_compute()
+        if compute.in_thread:  # the compute thread takes each batch as it lands
+            await compute.arrivals(arrivals.in_thread(), rows_of)
+            return requests, found
         async for views in arrivals:
             resident = min(len(views), at_hand)
             fresh = min(len(views) - resident, misses)
