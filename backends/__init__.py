@@ -162,7 +162,7 @@ def create(name: str) -> Backend:
     if name == "pread":
         from .pread import PreadBackend
 
-        return PreadBackend(threads)
+        return PreadBackend(threads, int(setting("pread_inline_max")))
     if name == "odirect":
         from .odirect import ODirectBackend
 

@@ -93,6 +93,22 @@ class PageCacheProbe:
         rest = pread_into(fd, offset + first, length - first, buf[first:], path)
         return first + rest, rest == 0  # nothing left to read: the file ended in cached pages
 
+    def read_cached(self, fd: int, file: int, offset: int, length: int, buf: memoryview) -> int | None:
+        """The read, when the page cache holds all of it (``cachestat(2)`` says so where it
+        runs, and ``RWF_NOWAIT`` returns every byte); ``None`` otherwise, having waited for
+        no I/O (what it may have copied is read again by :meth:`read`)."""
+        if not self._nowait[file] or _RWF_NOWAIT is None or self._stat.cached(fd, offset, length) is False:
+            return None
+        try:
+            done = os.preadv(fd, [buf[:length]], offset, _RWF_NOWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise _read_error(self._paths[file], length, offset, exc) from exc
+            return None  # read() meets the refusal again and records it
+        return done if done >= length else None
+
     def info(self) -> dict[str, Any]:
         if _RWF_NOWAIT is None:
             probe = "none"
@@ -118,11 +134,17 @@ def open_all(paths: Sequence[str], flags: int) -> list[int]:
 
 
 class PreadBackend:
+    """Reads in a pool of ``threads``; a read of at most ``inline_max`` bytes that the page
+    cache holds whole is copied on the caller's thread instead (:meth:`read_tiered`)."""
+
     name: ClassVar[str] = "pread"
     caps: ClassVar[Caps] = Caps.NONE
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, inline_max: int = 0) -> None:
         self._threads = threads
+        self._inline_max = inline_max
+        self.inline_reads = 0
+        """Reads the page cache served on the caller's thread, without the pool."""
         self._pool: Workers | None = None
         self._fds: list[int] = []
         self._paths: list[str] = []
@@ -141,8 +163,21 @@ class PreadBackend:
         return self._probe.read(self._fds[file], file, offset, length, buf)
 
     async def read_tiered(self, file: int, offset: int, length: int, buf: memoryview) -> tuple[int, bool]:
+        """The read in the pool; first, if it is small (``inline_max``, setting
+        ``pread_inline_max``), on this thread when the page cache holds all of it.
+
+        Why: a worker's round trip costs more than such a copy.  ``RWF_NOWAIT`` exists for
+        this (a server tries the cached read inline and hands the rest to threads), and it
+        never waits for the device.  Measured on the 2-vCPU AMD EPYC VM (session 45): a cached
+        36 KiB ``preadv2(RWF_NOWAIT)`` 6.3 us, 128 KiB 16 us, 256 KiB 24 us, against 51 us
+        for an empty call through a one-thread pool and back to the loop."""
         if self._pool is None:
             raise InvariantError("backend used before open()")
+        if length <= self._inline_max:
+            done = self._probe.read_cached(self._fds[file], file, offset, length, buf)
+            if done is not None:
+                self.inline_reads += 1
+                return done, True
         return await self._pool.run(self._read_sync, file, offset, length, buf)
 
     async def read(self, file: int, offset: int, length: int, buf: memoryview) -> int:
@@ -152,7 +187,8 @@ class PreadBackend:
         return 0 if self._pool is None else self._pool.undelivered()
 
     def info(self) -> dict[str, Any]:
-        return {"threads": self._threads, **self._probe.info()}
+        return {"threads": self._threads, "inline_max_bytes": self._inline_max, "inline_reads": self.inline_reads,
+                **self._probe.info()}
 
     def close(self) -> None:
         if self._pool is not None:

@@ -295,9 +295,10 @@ class ArrivalGroup:
         with its own round trip between the loop and that thread (``run_in_executor``: a
         submit, a wake-up, a result back through the loop's self-pipe): 51 us apiece on
         uvloop, 57 on asyncio, on this project's 2-vCPU VM with nothing else running (5,000
-        empty calls, session 45), and as many a layer as batches land apart.  Here the thread blocks on a queue that the loop fills as each load
-        finishes (a done callback on the load, no task step): one round trip a layer
-        (docs/benchmarks.md, "Batches handed to the compute thread").  The time the thread
+        empty calls, session 45), and as many a layer as batches land apart.  Here the
+        thread blocks on a queue that the loop fills as each load finishes (a done callback
+        on the load, no task step): one round trip a layer (docs/benchmarks.md, "Batches
+        handed to the compute thread").  The time the thread
         blocks counts as felt wait, as an ``__anext__``'s await does: the store sees it while
         it runs (the policy's batch-end work inside it is left out of what the policy is
         told, and hands no GIL over to a thread that waits)."""

@@ -84,6 +84,13 @@ SETTINGS: dict[str, Setting] = {
             "with a measured value.",
         ),
         Setting(
+            "pread_inline_max", "IOSCHED_PREAD_INLINE_MAX", 128 << 10, _non_negative_int,
+            "Bytes: a `pread` read this small that the page cache holds whole is copied on the "
+            "event loop's thread (`preadv2(RWF_NOWAIT)`), not handed to a worker; 0: always a worker. "
+            "128 KiB: such a copy took 16 us on the development VM against 51 us for a worker's round "
+            "trip (a 36 KiB one 6.3 us, 256 KiB 24 us; session 45, docs/benchmarks.md).",
+        ),
+        Setting(
             "queue_depth", "IOSCHED_QUEUE_DEPTH", 8, _positive_int,
             "Reads in flight per drive; more wait in its queue, demand before prefetch. 8: on the "
             "development VM's virtio disk O_DIRECT throughput is flat from queue depth 4 on while "

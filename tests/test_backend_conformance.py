@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from iosched import ExpertStore, ReadError, backends
+from iosched import ExpertStore, ReadError, _settings, backends
 from iosched.backends import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered
 from iosched.backends.uring import UringBackend
 from tests.conftest import EXPERTS, LAYERS, drop_page_cache, random_file, require_backend, warm_page_cache
@@ -277,7 +277,8 @@ async def test_a_finished_read_counts_as_undelivered_until_its_coroutine_resumes
     import time
 
     path, payload = blob
-    be = opened(backend, path)
+    with _settings.override(pread_inline_max=0):  # a cached read would be copied inline, no thread
+        be = opened(backend, path)
     undelivered = backends.undelivered_counter(be)
     try:
         assert undelivered() == 0
@@ -293,5 +294,33 @@ async def test_a_finished_read_counts_as_undelivered_until_its_coroutine_resumes
         assert undelivered() == 1
         assert await task == 1 << 16 and bytes(slab) == payload[:1 << 16]
         assert undelivered() == 0
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("inline_max", [0, 1 << 16])
+async def test_pread_copies_a_small_cached_read_on_the_loop_and_hands_the_rest_to_threads(
+        blob: tuple[str, bytes], inline_max: int) -> None:
+    """``pread_inline_max``: a read of at most that many bytes that the page cache holds whole
+    is copied on the calling thread (``RWF_NOWAIT``), said to be cached; a larger one, or one
+    the page cache does not hold, goes to the worker threads; 0 sends every read there."""
+    path, payload = blob
+    with _settings.override(pread_inline_max=inline_max):
+        be = opened("pread", path)
+    try:
+        warm_page_cache(path)
+        got, cached = await read_tiered(be, 0, 0, 4096, memoryview(bytearray(4096)))
+        assert (got, cached) == (4096, True)
+        assert be.info()["inline_reads"] == (1 if inline_max else 0)
+        slab = mmap.mmap(-1, 1 << 17)
+        got, cached = await read_tiered(be, 0, 8192, 1 << 17, memoryview(slab))  # larger: a worker's
+        assert (got, cached) == (1 << 17, True) and bytes(slab) == payload[8192:8192 + (1 << 17)]
+        assert be.info()["inline_reads"] == (1 if inline_max else 0)
+        drop_page_cache(path)
+        small = bytearray(4096)
+        got, cached = await read_tiered(be, 0, 1 << 19, 4096, memoryview(small))  # not cached: a worker's
+        assert got == 4096 and bytes(small) == payload[1 << 19:(1 << 19) + 4096]
+        assert be.info()["inline_reads"] == (1 if inline_max else 0)
+        assert be.info()["inline_max_bytes"] == inline_max
     finally:
         be.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from iosched import ExpertStore, StoreError, backends
+from iosched import ExpertStore, StoreError, _settings, backends
 from iosched._mirrors import MirrorError
 from iosched._router import DEGRADE_AFTER, Replica, Router
 from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
@@ -201,7 +201,9 @@ async def test_promotion_and_cancellation_in_the_queue() -> None:
 
 
 async def test_demand_promotes_a_queued_prefetch(st_checkpoint: Path) -> None:
-    async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, queue_depth=1) as store:
+    with _settings.override(pread_inline_max=0):  # every read a worker's: they queue, none is copied inline
+        store = await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, queue_depth=1)
+    async with store:
         keys = sorted(store.index.experts)[:6]
         assert store.prefetch(keys) == 6
         async with store.acquire(keys[-1]) as view:  # queued behind five prefetches
