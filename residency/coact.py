@@ -515,6 +515,20 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._ghosts.clear()
         self._proposed.clear()
 
+    def _unretire(self) -> None:
+        """The engine passes its lookahead after all (:meth:`on_expect`): the bookkeeping a
+        retired policy skipped (its membership hooks keep only LRU's order and the held
+        bytes; a retired ``density`` at 36 KiB ran 0.972-0.976x ``lru`` with all of it,
+        session 45) is rebuilt.  Each resident expert counts as used at its layer's last
+        visit: fresh, so that the guard keeps a guess from displacing it."""
+        self._retired = False
+        visits, resident_in = self._visits, [0] * self._L
+        for key in self._order:
+            p = self._pos_of(key)
+            resident_in[p] += 1
+            self._order[key] = visits[p]
+        self._resident_in = resident_in
+
     def _learn(self) -> None:
         """Once a token: the token's pairs (neighbouring decode batches at neighbouring
         positions) into the co-activation table and its picks into the popularity counts,
@@ -550,6 +564,11 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         return True
 
     def on_insert(self, key: Key, nbytes: int) -> None:
+        if self._retired:  # LRU's order and the held bytes: the rest only the prefetch reads
+            self._order[key] = 0
+            self._bytes[key] = nbytes
+            self._held += nbytes
+            return
         p = self._pos_of(key)
         self._order[key] = self._visits[p]
         self._resident_in[p] += 1
@@ -562,10 +581,12 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
     def on_remove(self, key: Key) -> None:
         used = self._order.pop(key)
         self._held -= self._bytes.pop(key)
-        self._proposed.pop(key, None)
-        guess = self._guesses.pop(key, None)
+        guess = self._guesses.pop(key, None) if self._guesses else None
         if guess is not None:
             self._guessed_p += guess
+        if self._retired:  # (no proposal nor ghost is kept once retired: _retire)
+            return
+        self._proposed.pop(key, None)
         p = self._pos_of(key)
         self._resident_in[p] -= 1
         if used < self._visits[p] and self._guessing:  # stale: remember it, to measure what evicting one costs
@@ -661,7 +682,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         retired policy takes up its bookkeeping again (the store's batch-end work stays off:
         the engine's own estimates are issued without it)."""
         self._engine_seen = True
-        self._retired = False
+        if self._retired:
+            self._unretire()
         pos = self._pos.get(layer)
         if pos is not None and probabilities.shape == (self._E,):
             self._expected[pos] = probabilities
@@ -735,12 +757,13 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         require(set(self._order) == keys, "coact: the LRU order does not track the resident set")
         require(set(self._bytes) == keys and self._held == sum(self._bytes.values()),
                 "coact: the held bytes do not track the resident set")
-        per_layer = [0] * self._L
-        for key, used in self._order.items():
-            p = self._pos_of(key)
-            per_layer[p] += 1
-            require(used <= self._visits[p], f"coact: {key!r} was used after its layer's last visit")
-        require(per_layer == self._resident_in, "coact: the per-layer resident counts are off")
+        if not self._retired:  # (retired, the membership hooks keep only the order and the bytes)
+            per_layer = [0] * self._L
+            for key, used in self._order.items():
+                p = self._pos_of(key)
+                per_layer[p] += 1
+                require(used <= self._visits[p], f"coact: {key!r} was used after its layer's last visit")
+            require(per_layer == self._resident_in, "coact: the per-layer resident counts are off")
         require(0.0 <= self.stale_reuse <= 1.0, "coact: the stale reuse is not a probability")
         require(self.calibration > 0.0, "coact: the calibration is not positive")
         require(not self._retired or (self._trial is None and not self._prefetching),

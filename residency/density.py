@@ -497,6 +497,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     def on_insert(self, key: Key, nbytes: int) -> None:
         super().on_insert(key, nbytes)
+        if self._retired:  # (retired, the eviction is LRU's for good: no ranking reads the mask)
+            return
         p, e = self._where[key]
         flat = p * self._E + e
         self._res_bytes[flat] = 1
@@ -508,8 +510,16 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     def on_remove(self, key: Key) -> None:
         super().on_remove(key)
-        p, e = self._where[key]
-        self._res_bytes[p * self._E + e] = 0
+        if not self._retired:
+            p, e = self._where[key]
+            self._res_bytes[p * self._E + e] = 0
+
+    def _unretire(self) -> None:
+        super()._unretire()
+        self._res_bytes[:] = bytes(len(self._res_bytes))
+        for key in self._order:
+            p, e = self._locate(key)
+            self._res_bytes[p * self._E + e] = 1
 
     def victims(self) -> Iterator[Key]:
         if self._lru:
@@ -643,11 +653,12 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         super().check(keys)
         if not self._L:
             return
-        mask = np.zeros_like(self._res)
-        for key in keys:
-            p, e = self._where[key]
-            mask[p * self._E + e] = True
-        require(bool(np.array_equal(mask, self._res)), "density: the resident mask does not track the resident set")
+        if not self._retired:  # (retired, nothing reads the mask: on_insert)
+            mask = np.zeros_like(self._res)
+            for key in keys:
+                p, e = self._where[key]
+                mask[p * self._E + e] = True
+            require(bool(np.array_equal(mask, self._res)), "density: the resident mask does not track the resident set")
         require(self._last.tolist() == self._last_l and self._count.astype(np.int64).tolist() == self._count_l,
                 "density: the lists of last routings and counts differ from their arrays")
         require(bool((self._last <= self._dv[:, None]).all()),

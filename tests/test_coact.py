@@ -477,6 +477,7 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
     policy.on_request(keys[2], UNIT, True)
     assert policy._visits == visits  # retired: no batch bookkeeping
     policy.on_expect(SHAPE.layers[1], np.full(SHAPE.n_expert, 0.5))
+    policy.check(set[Hashable](keys) - {keys[1]})  # the bookkeeping the retired hooks skipped, rebuilt
     policy.on_request(keys[3], UNIT, True)  # the next layer's batch: counted again
     assert policy._visits[1] == visits[1] + 1 and policy.end_batch() is not None
 
