@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
+
+if TYPE_CHECKING:
+    from iosched import ExpertKey, ExpertStore
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -108,6 +113,23 @@ def warm_page_cache(path: str | os.PathLike[str]) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.read(1 << 20):
             pass
+
+
+@contextlib.contextmanager
+def last_expert_cut_short(store: ExpertStore) -> Iterator[tuple[ExpertKey, list[ExpertKey], str]]:
+    """The checkpoint's last expert made unreadable: its shard truncated where the expert
+    begins (put back whole on exit).  Yields that expert, three experts of other shards, and
+    the shard's path (a ``ReadError`` names it)."""
+    bad = (LAYERS - 1, EXPERTS - 1)
+    layout = store.index.experts[bad]
+    path = store.index.files[layout.extents[0].file]
+    good = [k for k, lay in store.index.experts.items() if store.index.files[lay.extents[0].file] != path][:3]
+    original = Path(path).read_bytes()
+    os.truncate(path, layout.extents[0].offset)
+    try:
+        yield bad, good, path
+    finally:
+        Path(path).write_bytes(original)
 
 
 # Small shapes keep the suite fast; the index and the store treat them like real ones.

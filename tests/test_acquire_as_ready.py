@@ -4,7 +4,6 @@ held until the group exits, never one leaked, the felt wait only what the engine
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,7 +14,7 @@ from iosched import ExpertStore, ExpertView, ReadError, UnknownExpertError
 from iosched.backends import Caps
 from iosched.backends.pread import PreadBackend
 from tests._wrappers import GatedBackend
-from tests.conftest import EXPERTS, LAYERS
+from tests.conftest import LAYERS, last_expert_cut_short
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -347,16 +346,9 @@ async def test_unknown_key_takes_no_lease(st_checkpoint: Path) -> None:
 
 async def test_a_failed_load_is_raised_and_the_others_still_come(st_copy: Path) -> None:
     async with await ExpertStore.open(st_copy, budget_bytes=1 << 20, policy="lru") as store:
-        bad = (LAYERS - 1, EXPERTS - 1)
-        layout = store.index.experts[bad]
-        path = store.index.files[layout.extents[0].file]
-        good = [k for k, lay in store.index.experts.items()
-                if store.index.files[lay.extents[0].file] != path][:3]
-        original = Path(path).read_bytes()
-        os.truncate(path, layout.extents[0].offset)
         got: list[tuple[int, int]] = []
         errors: list[ReadError] = []
-        try:
+        with last_expert_cut_short(store) as (bad, good, path):
             async with store.acquire_as_ready([*good, bad]) as arrivals:
                 batches = aiter(arrivals)
                 while True:
@@ -366,8 +358,6 @@ async def test_a_failed_load_is_raised_and_the_others_still_come(st_copy: Path) 
                         break
                     except ReadError as exc:  # named, and the iteration goes on
                         errors.append(exc)
-        finally:
-            Path(path).write_bytes(original)
         assert sorted(got) == sorted(good)
         assert len(errors) == 1 and Path(path).name in str(errors[0])
         s = store.stats()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
 
 from iosched import ExpertStore, ReadError, UnknownExpertError
 from tests._wrappers import GatedBackend
-from tests.conftest import EXPERTS, LAYERS
+from tests.conftest import LAYERS, last_expert_cut_short
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -41,19 +40,10 @@ async def test_unknown_key_takes_no_lease(st_checkpoint: Path) -> None:
 
 async def test_failed_load_releases_the_others(st_copy: Path) -> None:
     async with await ExpertStore.open(st_copy, budget_bytes=1 << 20) as store:
-        bad = (LAYERS - 1, EXPERTS - 1)
-        layout = store.index.experts[bad]
-        path = store.index.files[layout.extents[0].file]
-        good = [k for k, lay in store.index.experts.items()
-                if store.index.files[lay.extents[0].file] != path][:3]
-        original = Path(path).read_bytes()
-        os.truncate(path, layout.extents[0].offset)
-        try:
+        with last_expert_cut_short(store) as (bad, good, path):
             with pytest.raises(ReadError, match=Path(path).name):
                 async with store.acquire_many([*good, bad]):
                     pass
-        finally:
-            Path(path).write_bytes(original)
         s = store.stats()
         assert s["leased"] == 0 and s["loading"] == 0
         assert s["resident_bytes"] == sum(store.index.experts[k].nbytes for k in good)

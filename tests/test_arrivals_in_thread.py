@@ -5,7 +5,6 @@ exits, the thread's blocked time counted as felt wait, and never a released view
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from iosched import ExpertStore, ReadError, StoreError, ThreadArrivals
 from iosched.tools import compute, demo
 from iosched.tools.synth import write_safetensors_moe
 from tests._wrappers import GatedBackend
-from tests.conftest import EXPERTS, LAYERS
+from tests.conftest import last_expert_cut_short
 from tests.test_acquire_as_ready import HeldReads, _loaded, _make_resident, _open, _release
 from tests.test_store import expected_bytes
 
@@ -115,19 +114,10 @@ async def test_loads_landed_before_the_thread_asks_come_in_one_batch_without_fel
 
 async def test_a_failed_load_is_raised_in_the_thread_and_the_others_still_come(st_copy: Path) -> None:
     async with await ExpertStore.open(st_copy, budget_bytes=1 << 20, policy="lru") as store:
-        bad = (LAYERS - 1, EXPERTS - 1)
-        layout = store.index.experts[bad]
-        path = store.index.files[layout.extents[0].file]
-        good = [k for k, lay in store.index.experts.items()
-                if store.index.files[lay.extents[0].file] != path][:3]
-        original = Path(path).read_bytes()
-        os.truncate(path, layout.extents[0].offset)
-        try:
+        with last_expert_cut_short(store) as (bad, good, path):
             async with store.acquire_as_ready([*good, bad]) as arrivals:
                 taker = Taker(store, arrivals.in_thread())
                 await taker.join()
-        finally:
-            Path(path).write_bytes(original)
         assert sorted(k for batch in taker.batches for k in batch) == sorted(good)
         assert len(taker.errors) == 1 and isinstance(taker.errors[0], ReadError)
         assert Path(path).name in str(taker.errors[0])
