@@ -358,14 +358,23 @@ async def test_a_failed_load_is_raised_and_the_others_still_come(st_copy: Path) 
                         break
                     except ReadError as exc:  # named, and the iteration goes on
                         errors.append(exc)
-        assert sorted(got) == sorted(good)
-        assert len(errors) == 1 and Path(path).name in str(errors[0])
-        s = store.stats()
-        assert s["leased"] == 0 and s["loading"] == 0
-        assert s["resident_bytes"] == sum(store.index.experts[k].nbytes for k in good)
-        store.check_invariants()
-        async with store.acquire(bad) as view:  # the store serves the key once the file is whole
-            assert view.data.tobytes() == expected_bytes(store.index, bad)
+        await check_after_a_failed_load(store, got, errors, bad, good, path)
+
+
+async def check_after_a_failed_load(store: ExpertStore, got: list[tuple[int, int]], errors: Sequence[BaseException],
+                                    bad: tuple[int, int], good: list[tuple[int, int]], path: str) -> None:
+    """What a group with one failed load leaves, whichever way its batches were taken
+    (``async for``, or a thread's ``in_thread``): the others came, one ``ReadError`` naming
+    the shard, nothing leased or loading, only the others resident, and the expert served
+    once its shard is whole again."""
+    assert sorted(got) == sorted(good)
+    assert len(errors) == 1 and isinstance(errors[0], ReadError) and Path(path).name in str(errors[0])
+    s = store.stats()
+    assert s["leased"] == 0 and s["loading"] == 0
+    assert s["resident_bytes"] == sum(store.index.experts[k].nbytes for k in good)
+    store.check_invariants()
+    async with store.acquire(bad) as view:  # the store serves the key once the file is whole
+        assert view.data.tobytes() == expected_bytes(store.index, bad)
 
 
 async def test_leaving_before_the_last_batch_gives_up_the_loads_and_leaks_nothing(st_checkpoint: Path) -> None:

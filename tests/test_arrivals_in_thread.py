@@ -11,12 +11,19 @@ from typing import Any
 
 import pytest
 
-from iosched import ExpertStore, ReadError, StoreError, ThreadArrivals
+from iosched import ExpertStore, StoreError, ThreadArrivals
 from iosched.tools import compute, demo
 from iosched.tools.synth import write_safetensors_moe
 from tests._wrappers import GatedBackend
 from tests.conftest import last_expert_cut_short
-from tests.test_acquire_as_ready import HeldReads, _loaded, _make_resident, _open, _release
+from tests.test_acquire_as_ready import (
+    HeldReads,
+    _loaded,
+    _make_resident,
+    _open,
+    _release,
+    check_after_a_failed_load,
+)
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -123,14 +130,8 @@ async def test_a_failed_load_is_raised_in_the_thread_and_the_others_still_come(s
             async with store.acquire_as_ready([*good, bad]) as arrivals:
                 taker = Taker(store, arrivals.in_thread())
                 await taker.join()
-        assert sorted(k for batch in taker.batches for k in batch) == sorted(good)
-        assert len(taker.errors) == 1 and isinstance(taker.errors[0], ReadError)
-        assert Path(path).name in str(taker.errors[0])
-        s = store.stats()
-        assert s["leased"] == 0 and s["loading"] == 0
-        store.check_invariants()
-        async with store.acquire(bad) as view:  # the store serves the key once the file is whole
-            assert view.data.tobytes() == expected_bytes(store.index, bad)
+        await check_after_a_failed_load(store, [k for batch in taker.batches for k in batch], taker.errors,
+                                        bad, good, path)
 
 
 async def test_a_thread_blocked_when_the_group_exits_is_woken_and_stops(st_checkpoint: Path) -> None:
