@@ -88,9 +88,11 @@ flag               protocol                   hooks, and who calls them when
 ``FELT_WAIT``      :class:`FeltWaitAware`     ``set_felt_wait(felt)``: the store, once, with
                                               ``felt() -> seconds``, the engine's felt wait
                                               so far (``stats()["felt_wait_s"]``, on the
-                                              store's clock) less the policy's own
-                                              batch-end work that ran inside it (an engine
-                                              computing on the loop waits while it runs),
+                                              store's clock, with a wait in progress and a
+                                              compute thread's block for its next batch)
+                                              less the policy's own batch-end work that ran
+                                              inside it (an engine computing on the loop
+                                              waits while it runs),
                                               so that the policy can weigh
                                               its own CPU against what the misses cost the
                                               engine (``default``'s cost verdict)

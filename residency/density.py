@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +97,8 @@ from iosched._errors import require
 from ._hazard import AGE_MAX, COUNT_BIN_OF, HazardTable, count_bin
 from ._policy import Capability, FeltWaitAware, Key, ModelShape
 from .coact import CoactPolicy
+
+_T = TypeVar("_T")
 
 GUARD_SIGMAS = 2.0
 """The shadow's misses plus this many of their standard deviations (Poisson: the square root)
@@ -326,16 +328,16 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._epoch += 1
         return decode
 
-    def _timed(self, work: Callable[..., object], *args: object) -> None:
-        """``work(*args)`` (a visit or a ranking), its time on the store's clock counted in
-        :attr:`_cost_s`."""
+    def _timed(self, work: Callable[..., _T], *args: object) -> _T:
+        """``work(*args)`` (a visit, a ranking, the order of the late keys), its time on the
+        store's clock counted in :attr:`_cost_s`."""
         now = self._now
         if now is None:
-            work(*args)
-            return
+            return work(*args)
         t0 = now()
-        work(*args)
+        result = work(*args)
         self._cost_s += now() - t0
+        return result
 
     def _visit(self, pos: int, batch: list[int], decode: bool) -> None:
         """A batch complete: its visit into the ages and counts, the LRU shadow, and at a
@@ -558,15 +560,15 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
                     p, e = divmod(flat, E)
                     yield (layer_of[p], e)
         if late:
-            now = self._now
-            t0 = now() if now is not None else 0.0
-            fresh = np.array([f for f in late if res[f]], dtype=np.int64)
-            ordered = fresh[np.argsort(self._densities_of(fresh, cur), kind="stable")].tolist() if fresh.size else []
-            if now is not None:
-                self._cost_s += now() - t0
-            for flat in ordered:
+            for flat in self._timed(self._late_order, late, cur):
                 p, e = divmod(flat, E)
                 yield (layer_of[p], e)
+
+    def _late_order(self, late: dict[int, None], cur: int) -> list[int]:
+        """The keys of ``late`` still resident, lowest density first (for a batch at ``cur``)."""
+        res = self._res_bytes
+        fresh = np.array([f for f in late if res[f]], dtype=np.int64)
+        return fresh[np.argsort(self._densities_of(fresh, cur), kind="stable")].tolist() if fresh.size else []
 
     def _rank(self, cur: int, epoch: int) -> None:
         """Rank the resident experts for a batch at position ``cur``: the :data:`RANK_FIRST`
