@@ -282,7 +282,8 @@ class Prefetcher:
         waiting = self.engine_waiting()
         if not waiting:  # (release_gil: why, why once, and why not then)
             release_gil()  # the engine's compute thread, just handed its layer, goes first
-        felt_before = self.felt_so_far()
+        felt = self.felt_so_far if self._hooks.set_felt_wait is not None else None  # (only such a policy reads it)
+        felt_before = felt() if felt is not None else 0.0
         try:
             wanted = end_batch()
             if wanted is None:  # the policy has no batch-end work any more: stop scheduling it
@@ -294,7 +295,8 @@ class Prefetcher:
             if prepare is not None:
                 prepare()
         finally:  # the part of the work the engine waited through (all of it on the loop)
-            self.work_in_felt_s += self.felt_so_far() - felt_before
+            if felt is not None:
+                self.work_in_felt_s += felt() - felt_before
 
     def expect(self, layer: int, probabilities: npt.NDArray[np.float64], min_probability: float) -> list[ExpertKey]:
         """The engine's lookahead for ``layer``: its experts of at least ``min_probability``,
