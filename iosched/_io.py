@@ -3,7 +3,8 @@
 For each read of an expert's extent the store calls :meth:`ReadPath.read_span`, which
 
 1. asks the :class:`Router` for the replicas holding the file, best first;
-2. waits for a slot in that drive's :class:`DeviceQueue` (queue depth, demand before prefetch);
+2. waits for a slot in that drive's :class:`DeviceQueue` (queue depth, bytes in flight, demand
+   before prefetch);
 3. has the backend read into the caller's buffer, and counts reads, bytes, errors, in-flight
    per device and per replica (and ``migration_bytes``, the bytes of loads a prefetch started);
    the backend also says whether the page cache served the read (``backends.read_tiered``),
@@ -26,6 +27,7 @@ from typing import TypeVar, cast
 
 from iosched import backends
 
+from . import _settings
 from ._errors import ChecksumError, InvariantError, ReadError, StoreError
 from ._readplan import Span
 from ._router import Replica, Router
@@ -64,13 +66,16 @@ class ReadPath:
         queue_depth: int | Mapping[str, int],
         stripe_threshold: int = 4 << 20,
         verifier: Verifier | None = None,
+        inflight_bytes: int | None = None,
     ) -> None:
         """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
         was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
         j-th mirror's root, each path's replica root found by prefix; ``weights`` by root;
         ``queue_depth`` one for every drive, or by drive name (``DEFAULT_QUEUE_DEPTH`` for the
         drives not named).  Drives are named as ``iosched topology`` names them.  ``verifier``:
-        every extent read is checked against its manifest (``None``: not checked)."""
+        every extent read is checked against its manifest (``None``: not checked);
+        ``inflight_bytes`` the most bytes in flight per drive (``None``: the setting of that
+        name; ``iosched/_scheduler.py`` says why)."""
         self.backend = backend
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
@@ -82,6 +87,7 @@ class ReadPath:
         self._root_of: dict[int, str] = {}
         table: list[list[Replica]] = []
         discovery = Discovery()
+        cap = int(_settings.get("inflight_bytes")) if inflight_bytes is None else inflight_bytes
         n = 0
         for paths in replicas:
             row = []
@@ -90,7 +96,7 @@ class ReadPath:
                 self.devices.setdefault(device, DeviceCounters())
                 depth = (queue_depth if isinstance(queue_depth, int)
                          else queue_depth.get(device, DEFAULT_QUEUE_DEPTH))
-                self.queues.setdefault(device, DeviceQueue(depth))
+                self.queues.setdefault(device, DeviceQueue(depth, inflight_bytes=cap))
                 root = next((r for r in roots if path == r or path.startswith(r.rstrip("/") + "/")), roots[0])
                 self._root_of[n] = root
                 row.append(Replica(path, device, n, weight=float(weights.get(root, 1.0))))
@@ -222,7 +228,7 @@ class ReadPath:
         verifier = self.verifier
 
         async def attempt(replica: Replica) -> tuple[memoryview, int, bool]:
-            async with self._slot(replica, ticket):
+            async with self._slot(replica, ticket, length):
                 view, cached = await backends.map_tiered(zero_copy, replica.file, offset, length)
             self._count(replica, length, ticket)
             if verifier is not None:
@@ -268,7 +274,7 @@ class ReadPath:
             raise InvariantError("a read failed over without an error")
         raise last
 
-    async def _take_slot(self, replica: Replica, ticket: Ticket) -> bool:
+    async def _take_slot(self, replica: Replica, ticket: Ticket, nbytes: int) -> bool:
         """Wait for a slot in the replica's drive queue, counted as pending on the replica while
         it waits and in flight on the drive once held; whether the slot is speculative.  Every
         slot taken is given back with :meth:`_give_slot`.  Two plain methods rather than an
@@ -277,27 +283,27 @@ class ReadPath:
         rep = self.per_replica[self._root_of[replica.file]]
         rep.pending += 1
         try:
-            speculative = await self.queues[replica.device].acquire(ticket)
+            speculative = await self.queues[replica.device].acquire(ticket, nbytes)
         except BaseException:
             rep.pending -= 1
             raise
         self.devices[replica.device].in_flight += 1
         return speculative
 
-    def _give_slot(self, replica: Replica, speculative: bool) -> None:
+    def _give_slot(self, replica: Replica, speculative: bool, nbytes: int) -> None:
         self.devices[replica.device].in_flight -= 1
-        self.queues[replica.device].release(speculative)
+        self.queues[replica.device].release(speculative, nbytes)
         self.per_replica[self._root_of[replica.file]].pending -= 1
 
     @contextlib.asynccontextmanager
-    async def _slot(self, replica: Replica, ticket: Ticket) -> AsyncIterator[None]:
+    async def _slot(self, replica: Replica, ticket: Ticket, nbytes: int) -> AsyncIterator[None]:
         """:meth:`_take_slot` and :meth:`_give_slot` around a block (the less frequent users:
         mapping, hints)."""
-        speculative = await self._take_slot(replica, ticket)
+        speculative = await self._take_slot(replica, ticket, nbytes)
         try:
             yield
         finally:
-            self._give_slot(replica, speculative)
+            self._give_slot(replica, speculative, nbytes)
 
     async def hint(self, key: Hashable, file: int, offset: int, length: int) -> bool:
         """``posix_fadvise(WILLNEED)`` the bytes on the routed replica, in the ``HINT`` class:
@@ -305,7 +311,7 @@ class ReadPath:
         the budget.  False when it could not be given (the file is gone, for instance)."""
         replica = self.router.order(key, file)[0]
         try:
-            async with self._slot(replica, Ticket(HINT)):
+            async with self._slot(replica, Ticket(HINT), length):
                 await asyncio.to_thread(_fadvise_willneed, replica.path, offset, length)
         except OSError:
             return False
@@ -322,11 +328,11 @@ class ReadPath:
         # check (``_slab.Slab.exported``) sees only the views an engine keeps.
         handed = buf[:]
         try:
-            speculative = await self._take_slot(replica, ticket)
+            speculative = await self._take_slot(replica, ticket, length)
             try:
                 got, cached = await self._read_tiered(replica.file, offset, length, handed)
             finally:
-                self._give_slot(replica, speculative)
+                self._give_slot(replica, speculative, length)
         finally:
             _let_go(handed)
         self._count(replica, got, ticket)

@@ -18,6 +18,17 @@ every free slot moved 73 % more bytes than LRU and raised the felt wait per toke
 one token cycle, though they doubled the hit rate; the drive was the bottleneck, and a
 prefetch competing with demand for it delays the very reads it was meant to spare.
 
+Each drive also admits at most ``inflight_bytes`` of reads at once (the setting of that name;
+a read larger than it starts alone when nothing else is in flight).  Why: reads in flight
+share the drive's bandwidth and finish together (processor sharing), while an engine computing
+each expert as it lands (``acquire_as_ready``) could have started on the first one long before
+the last; served one after another (first come, first served), the first of a layer's ``n``
+misses lands after about ``1/n`` of the time and the compute overlaps the rest.  Measured on
+the development VM's virtio disk (session 46, docs/benchmarks.md): 2.25 MiB experts, one token
+cycle, compute in a thread, eight reads in flight: the felt wait 84-100 ms a token; capped at
+one or two experts' bytes 42-45 ms.  Smaller reads still go several at once, as many as fill
+the cap (576 KiB experts: three), since one alone leaves the drive's latency bare.
+
 A demand acquire that joins a queued prefetch *promotes* it (:meth:`Ticket.promote`): its reads
 jump the queue instead of a second read being issued.
 """
@@ -61,18 +72,22 @@ class Ticket:
 
 
 class _Waiter:
-    __slots__ = ("fut", "priority", "speculative")
+    __slots__ = ("fut", "priority", "speculative", "nbytes")
 
-    def __init__(self, fut: asyncio.Future[None], priority: int) -> None:
+    def __init__(self, fut: asyncio.Future[None], priority: int, nbytes: int) -> None:
         self.fut = fut
         self.priority = priority
+        self.nbytes = nbytes
         self.speculative = False
         """Whether the slot it was granted counts as speculative (set when granted)."""
 
 
 class DeviceQueue:
-    def __init__(self, depth: int, speculative_depth: int | None = None) -> None:
+    def __init__(self, depth: int, speculative_depth: int | None = None, inflight_bytes: int = 0) -> None:
         self.depth = depth
+        self.inflight_bytes = inflight_bytes
+        """The most bytes in flight at once (0: no limit); a read larger than it starts alone."""
+        self.bytes_in_flight = 0
         self.speculative_depth = max(1, depth // 4) if speculative_depth is None else speculative_depth
         self.in_flight = 0
         self.speculative_in_flight = 0
@@ -97,18 +112,21 @@ class DeviceQueue:
         """Reads waiting for a slot now."""
         return self._live_demand + self._live_speculative
 
-    def _may_start(self, priority: int) -> bool:
+    def _may_start(self, priority: int, nbytes: int) -> bool:
         if self.in_flight >= self.depth:
+            return False
+        if self.in_flight and self.inflight_bytes and self.bytes_in_flight + nbytes > self.inflight_bytes:
             return False
         if priority == DEMAND:
             return True
         return (self.in_flight == self.speculative_in_flight and self._live_demand == 0
                 and self.speculative_in_flight < self.speculative_depth)
 
-    def _grant(self, priority: int) -> bool:
+    def _grant(self, priority: int, nbytes: int) -> bool:
         if self.in_flight == 0:
             self._busy_since = _clock.now()
         self.in_flight += 1
+        self.bytes_in_flight += nbytes
         speculative = priority != DEMAND
         self.speculative_in_flight += speculative
         return speculative
@@ -117,19 +135,20 @@ class DeviceQueue:
         waiter.priority = priority
         heapq.heappush(self._heap, (priority, next(self._seq), waiter))  # older entries go stale
 
-    async def acquire(self, ticket: Ticket) -> bool:
-        """Wait for a slot on this device, in ``ticket``'s class; cancellation-safe.  Returns
-        whether the slot is a speculative one (pass it back to :meth:`release`)."""
+    async def acquire(self, ticket: Ticket, nbytes: int = 0) -> bool:
+        """Wait for a slot on this device for a read of ``nbytes``, in ``ticket``'s class;
+        cancellation-safe.  Returns whether the slot is a speculative one (pass it back to
+        :meth:`release` with the same ``nbytes``)."""
         priority = ticket.priority
         ahead = self._live_demand if priority == DEMAND else self.queued
-        if ahead == 0 and self._may_start(priority):
-            return self._grant(priority)
+        if ahead == 0 and self._may_start(priority, nbytes):
+            return self._grant(priority, nbytes)
         self.waited += 1
         if priority == DEMAND:
             self._live_demand += 1
         else:
             self._live_speculative += 1
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), priority)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), priority, nbytes)
         self._push(waiter, priority)
         entry = (self, waiter)
         ticket._waiting.append(entry)
@@ -137,7 +156,7 @@ class DeviceQueue:
             await waiter.fut
         except asyncio.CancelledError:
             if waiter.fut.done() and not waiter.fut.cancelled():
-                self.release(waiter.speculative)  # the slot was handed over as we were cancelled
+                self.release(waiter.speculative, nbytes)  # the slot was handed over as we were cancelled
             else:
                 if waiter.priority == DEMAND:
                     self._live_demand -= 1
@@ -150,8 +169,9 @@ class DeviceQueue:
             ticket._waiting.remove(entry)
         return waiter.speculative
 
-    def release(self, speculative: bool = False) -> None:
+    def release(self, speculative: bool = False, nbytes: int = 0) -> None:
         self.in_flight -= 1
+        self.bytes_in_flight -= nbytes
         self.speculative_in_flight -= speculative
         if self.in_flight == 0:
             self._busy_s += _clock.now() - self._busy_since
@@ -165,12 +185,12 @@ class DeviceQueue:
             if waiter.fut.done() or priority != waiter.priority:
                 heapq.heappop(heap)
                 continue  # cancelled, or a stale entry left behind by a promotion
-            if not self._may_start(priority):
+            if not self._may_start(priority, waiter.nbytes):
                 return
             heapq.heappop(heap)
             if priority == DEMAND:
                 self._live_demand -= 1
             else:
                 self._live_speculative -= 1
-            waiter.speculative = self._grant(priority)
+            waiter.speculative = self._grant(priority, waiter.nbytes)
             waiter.fut.set_result(None)

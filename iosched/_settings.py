@@ -98,6 +98,18 @@ SETTINGS: dict[str, Setting] = {
             "for MiB-sized reads. `iosched topology --probe` measures it per drive.",
         ),
         Setting(
+            "inflight_bytes", "IOSCHED_INFLIGHT_BYTES", 2 << 20, _non_negative_int,
+            "Bytes of reads in flight per drive at most, beside `queue_depth` (a read larger "
+            "than it starts alone when nothing else is in flight); 0: no limit. Reads in flight "
+            "share the drive's bandwidth and finish together, so an engine that computes each "
+            "expert as it lands (`acquire_as_ready`) waited for all of a layer's misses before the "
+            "first; one expert at a time lands the first after a fraction of the time. 2 MiB, "
+            "measured on the development VM (session 46, docs/benchmarks.md): 2.25 MiB experts, "
+            "one token cycle, compute in a thread: felt wait 42-45 ms a token at caps of 0.5-4.5 "
+            "MiB against 84-100 ms with 8 reads in flight, +21-25 % tokens/s; 576 KiB experts: "
+            "25 ms with three in flight, 28-31 with eight, 36-38 with one.",
+        ),
+        Setting(
             "stripe_threshold", "IOSCHED_STRIPE_THRESHOLD", 4 << 20, _positive_int,
             "O_DIRECT reads of at least this many bytes are split across the healthy replicas of "
             "their file, legs proportional to the drives' weights. 4 MiB: below it a read is one "

@@ -343,3 +343,44 @@ async def test_promoting_a_just_granted_prefetch_keeps_the_counts() -> None:
     assert later.done() and later.result() is True  # still allowed onto the idle drive
     queue.release(True)
     assert queue.in_flight == 0 and queue.speculative_in_flight == 0
+
+
+async def test_bytes_in_flight_cap() -> None:
+    """A drive admits reads while their bytes fit ``inflight_bytes`` (up to ``depth``): two
+    experts of 2 MiB go one after the other, small reads go several at once, a read larger
+    than the cap starts alone, and every release gives its bytes back, also a cancelled
+    waiter's."""
+    mib = 1 << 20
+    queue = DeviceQueue(depth=8, inflight_bytes=2 * mib)
+    demand = Ticket(DEMAND)
+    assert await queue.acquire(demand, 2 * mib) is False
+    second = asyncio.create_task(queue.acquire(demand, 2 * mib))
+    await asyncio.sleep(0)
+    assert not second.done() and queue.in_flight == 1 and queue.bytes_in_flight == 2 * mib
+    queue.release(False, 2 * mib)
+    assert await second is False and queue.bytes_in_flight == 2 * mib
+    queue.release(False, 2 * mib)
+    assert queue.bytes_in_flight == 0
+    smalls = [await queue.acquire(demand, 576 << 10) for _ in range(3)]  # 1.7 MiB: all three fit
+    fourth = asyncio.create_task(queue.acquire(demand, 576 << 10))
+    await asyncio.sleep(0)
+    assert smalls == [False] * 3 and not fourth.done() and queue.in_flight == 3
+    queue.release(False, 576 << 10)
+    assert await fourth is False and queue.in_flight == 3
+    for _ in range(3):
+        queue.release(False, 576 << 10)
+    assert queue.in_flight == 0 and queue.bytes_in_flight == 0
+    await queue.acquire(demand, 5 * mib)  # larger than the cap: alone, at once
+    waiter = asyncio.create_task(queue.acquire(demand, 4096))
+    await asyncio.sleep(0)
+    assert not waiter.done() and queue.bytes_in_flight == 5 * mib
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    queue.release(False, 5 * mib)
+    assert queue.in_flight == 0 and queue.bytes_in_flight == 0 and queue.queued == 0
+    uncapped = DeviceQueue(depth=8)
+    assert uncapped.inflight_bytes == 0
+    for _ in range(8):
+        await uncapped.acquire(demand, 4 * mib)
+    assert uncapped.in_flight == 8 and uncapped.bytes_in_flight == 32 * mib
