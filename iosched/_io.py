@@ -66,7 +66,7 @@ class ReadPath:
         queue_depth: int | Mapping[str, int],
         stripe_threshold: int = 4 << 20,
         verifier: Verifier | None = None,
-        inflight_bytes: int | None = None,
+        inflight_bytes: int | Mapping[str, int] | None = None,
     ) -> None:
         """``replicas[i]``: the paths holding checkpoint file ``i``, primary first; the backend
         was opened on all of them, flattened in that order.  ``roots[j]``: the primary's or the
@@ -74,8 +74,9 @@ class ReadPath:
         ``queue_depth`` one for every drive, or by drive name (``DEFAULT_QUEUE_DEPTH`` for the
         drives not named).  Drives are named as ``iosched topology`` names them.  ``verifier``:
         every extent read is checked against its manifest (``None``: not checked);
-        ``inflight_bytes`` the most bytes in flight per drive (``None``: the setting of that
-        name; ``iosched/_scheduler.py`` says why)."""
+        ``inflight_bytes`` the most bytes in flight per drive, one for every drive or by drive
+        name (``None``, or a drive not named: the setting of that name; ``iosched/_scheduler.py``
+        says why)."""
         self.backend = backend
         self.zero_copy: backends.ZeroCopyBackend | None = (
             cast("backends.ZeroCopyBackend", backend) if backend.caps & backends.Caps.ZERO_COPY else None
@@ -87,7 +88,8 @@ class ReadPath:
         self._root_of: dict[int, str] = {}
         table: list[list[Replica]] = []
         discovery = Discovery()
-        cap = int(_settings.get("inflight_bytes")) if inflight_bytes is None else inflight_bytes
+        default_cap = int(_settings.get("inflight_bytes")) if not isinstance(inflight_bytes, int) else inflight_bytes
+        caps = inflight_bytes if isinstance(inflight_bytes, Mapping) else {}
         n = 0
         for paths in replicas:
             row = []
@@ -96,7 +98,7 @@ class ReadPath:
                 self.devices.setdefault(device, DeviceCounters())
                 depth = (queue_depth if isinstance(queue_depth, int)
                          else queue_depth.get(device, DEFAULT_QUEUE_DEPTH))
-                self.queues.setdefault(device, DeviceQueue(depth, inflight_bytes=cap))
+                self.queues.setdefault(device, DeviceQueue(depth, inflight_bytes=caps.get(device, default_cap)))
                 root = next((r for r in roots if path == r or path.startswith(r.rstrip("/") + "/")), roots[0])
                 self._root_of[n] = root
                 row.append(Replica(path, device, n, weight=float(weights.get(root, 1.0))))

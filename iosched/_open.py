@@ -163,6 +163,8 @@ class _Layout:
     weights: Mapping[str, float] | None
     depths: int | Mapping[str, int]
     stripe_threshold: int
+    inflight: Mapping[str, int] | None = None
+    """Per drive, the topology file's ``inflight_bytes`` (the drives it names with one)."""
 
 
 async def _drives(args: OpenArgs) -> _Layout:
@@ -172,6 +174,7 @@ async def _drives(args: OpenArgs) -> _Layout:
     layout = _Layout(args.source, args.mirrors, args.routing, args.weights, 0,
                      int(_settings.get("stripe_threshold")))
     depths: Mapping[str, int] | None = None
+    inflight: Mapping[str, int] | None = None
     if is_topology_file(args.source):
         if args.mirrors:
             raise StoreError(f"{args.source}: give mirrors in the topology file or as an argument, not both")
@@ -181,6 +184,7 @@ async def _drives(args: OpenArgs) -> _Layout:
         if weights is None:
             weights = {root: topo.device(name).weight for root, name in drives.items()}
         depths = {name: cfg.queue_depth for name, cfg in topo.devices.items()}
+        inflight = {name: cfg.inflight_bytes for name, cfg in topo.devices.items() if cfg.inflight_bytes is not None}
         layout = _Layout(topo.primary, topo.mirrors, topo.routing_policy, weights, 0,
                          topo.stripe_threshold_bytes)
     if layout.routing not in ROUTING_POLICIES:
@@ -189,7 +193,7 @@ async def _drives(args: OpenArgs) -> _Layout:
     if not _positive_int(depth):
         raise StoreError(f"queue_depth must be a positive integer, got {args.queue_depth!r}")
     chosen: int | Mapping[str, int] = depths if depths is not None and args.queue_depth is None else depth
-    return dataclasses.replace(layout, depths=chosen)
+    return dataclasses.replace(layout, depths=chosen, inflight=inflight)
 
 
 async def _sized_budget(args: OpenArgs, index: CheckpointIndex) -> int:
@@ -244,7 +248,7 @@ async def _read_path(args: OpenArgs, drives: _Layout, index: CheckpointIndex,
         weights = {os.path.abspath(k): v for k, v in (drives.weights or {}).items()}
         paths = [path for row in replicas for path in row]
         return ReadPath(be, replicas, roots, weights, drives.routing, drives.depths, drives.stripe_threshold,
-                        verification.verifier(paths)), reason, verification
+                        verification.verifier(paths), inflight_bytes=drives.inflight), reason, verification
     except BaseException:
         be.close()
         raise

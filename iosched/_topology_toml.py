@@ -14,6 +14,8 @@ The schema, version 1 (every key shown; only ``checkpoint.primary`` is required)
     queue_depth = 8                          # reads in flight on this drive (positive integer)
     weight = 1.0                             # its share of the reads, relative (positive number)
     bandwidth_mbps = 3100.0                  # optional: what `--probe` measured (10^6 bytes/s)
+    inflight_bytes = 1769472                 # optional: bytes of reads in flight at most (0: no
+                                             # limit; default the setting inflight_bytes)
 
     [routing]
     policy = "hash"                          # "hash" | "least_pending"; default "hash"
@@ -62,6 +64,9 @@ class DeviceConfig:
     queue_depth: int = DEFAULT_QUEUE_DEPTH
     weight: float = 1.0
     bandwidth_mbps: float | None = None
+    inflight_bytes: int | None = None
+    """Bytes of reads in flight on this drive at most (0: no limit); ``None``: the setting
+    ``inflight_bytes`` (``iosched/_scheduler.py`` says why there is a cap)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,11 @@ class _Checker:
             raise self.fail(f"{where} must be a positive integer, got {_show(value)}")
         return value
 
+    def non_negative_int(self, value: object, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.fail(f"{where} must be an integer >= 0, got {_show(value)}")
+        return value
+
     def positive_number(self, value: object, where: str) -> float:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or value <= 0):
@@ -167,17 +177,19 @@ def loads_topology(text: str, source: str = "") -> Topology:
     devices: dict[str, DeviceConfig] = {}
     for i, raw in enumerate(raw_devices):
         where = f"device[{i}]"
-        d = c.table(raw, where, ("name", "queue_depth", "weight", "bandwidth_mbps"))
+        d = c.table(raw, where, ("name", "queue_depth", "weight", "bandwidth_mbps", "inflight_bytes"))
         name = d.get("name")
         if not isinstance(name, str) or not name:
             raise c.fail(f"{where}.name must be a non-empty string, got {_show(name)}")
         if name in devices:
             raise c.fail(f"{where}.name repeats device {name!r}")
         bw = d.get("bandwidth_mbps")
+        cap = d.get("inflight_bytes")
         devices[name] = DeviceConfig(
             queue_depth=c.positive_int(d.get("queue_depth", DEFAULT_QUEUE_DEPTH), f"{where}.queue_depth"),
             weight=c.positive_number(d.get("weight", 1.0), f"{where}.weight"),
             bandwidth_mbps=None if bw is None else c.positive_number(bw, f"{where}.bandwidth_mbps"),
+            inflight_bytes=None if cap is None else c.non_negative_int(cap, f"{where}.inflight_bytes"),
         )
 
     routing = c.table(doc.get("routing", {}), "[routing]", ("policy", "stripe_threshold_bytes"))
@@ -250,6 +262,8 @@ def dump_topology(topology: Topology, comment: str = "") -> str:
                   f"weight = {_toml_float(dev.weight)}"]
         if dev.bandwidth_mbps is not None:
             lines.append(f"bandwidth_mbps = {_toml_float(dev.bandwidth_mbps)}")
+        if dev.inflight_bytes is not None:
+            lines.append(f"inflight_bytes = {int(dev.inflight_bytes)}")
     lines += ["", "[routing]", f"policy = {_toml_str(topology.routing_policy)}",
               f"stripe_threshold_bytes = {int(topology.stripe_threshold_bytes)}", ""]
     return "\n".join(lines)

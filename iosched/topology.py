@@ -29,6 +29,7 @@ from ._topology import (
     loads_topology,
     probe_bandwidth,
     probe_drive,
+    suggest_inflight_bytes,
     suggest_queue_depth,
 )
 
@@ -47,5 +48,6 @@ __all__ = [
     "loads_topology",
     "probe_bandwidth",
     "probe_drive",
+    "suggest_inflight_bytes",
     "suggest_queue_depth",
 ]

@@ -298,6 +298,27 @@ async def test_open_a_topology_file(mirrored: tuple[Path, Path], tmp_path: Path)
         await ExpertStore.open(topo, budget_bytes=1 << 20, mirrors=[mirror])
 
 
+async def test_a_topology_file_sets_a_drives_inflight_bytes(st_checkpoint: Path, tmp_path: Path) -> None:
+    """``inflight_bytes`` in a drive's table caps that drive's queue; 0 lifts the cap; a
+    drive without one gets the setting."""
+    from iosched import override_settings
+    from iosched._topology import Discovery
+
+    name = Discovery().drive_of(str(st_checkpoint)).name
+    topo = tmp_path / "topo.toml"
+    for cap in (12345, 0):
+        topo.write_text(f'[checkpoint]\nprimary = "{st_checkpoint}"\n'
+                        f'[[device]]\nname = "{name}"\ninflight_bytes = {cap}\n')
+        async with await ExpertStore.open(topo, budget_bytes=1 << 20, backend="pread") as store:
+            assert store._io.queues[name].inflight_bytes == cap
+            await read_all(store)
+            assert store._io.queues[name].bytes_in_flight == 0
+    topo.write_text(f'[checkpoint]\nprimary = "{st_checkpoint}"\n')
+    with override_settings(inflight_bytes=777):
+        async with await ExpertStore.open(topo, budget_bytes=1 << 20, backend="pread") as store:
+            assert store._io.queues[name].inflight_bytes == 777
+
+
 async def test_hints_own_nothing_and_wait_behind_reads(st_checkpoint: Path) -> None:
     from iosched._scheduler import HINT
 

@@ -34,6 +34,7 @@ from iosched._topology import (
     overlay_layers,
     probe_bandwidth,
     read_mountinfo,
+    suggest_inflight_bytes,
     suggest_queue_depth,
 )
 from iosched.tools import _command
@@ -347,7 +348,8 @@ _devices = st.dictionaries(
     st.text(st.characters(codec="utf-8"), min_size=1, max_size=10),
     st.builds(DeviceConfig, st.integers(1, 1 << 20),
               st.floats(min_value=1e-6, max_value=1e9, allow_nan=False, allow_infinity=False),
-              st.none() | st.floats(min_value=1e-3, max_value=1e9, allow_nan=False, allow_infinity=False)),
+              st.none() | st.floats(min_value=1e-3, max_value=1e9, allow_nan=False, allow_infinity=False),
+              st.none() | st.integers(0, 1 << 40)),
     max_size=4)
 
 
@@ -384,6 +386,8 @@ BAD = [
     (GOOD + '[[device]]\nname = "a"\nweight = "fast"\n', r"device\[0\].weight .* string 'fast'"),
     (GOOD + '[[device]]\nname = "a"\nweight = inf\n', r"device\[0\].weight"),
     (GOOD + '[[device]]\nname = "a"\nbandwidth_mbps = -1.0\n', r"device\[0\].bandwidth_mbps"),
+    (GOOD + '[[device]]\nname = "a"\ninflight_bytes = -1\n', r"device\[0\].inflight_bytes must be an integer >= 0"),
+    (GOOD + '[[device]]\nname = "a"\ninflight_bytes = 1.5\n', r"device\[0\].inflight_bytes .* got float 1.5"),
     (GOOD + '[[device]]\nqueue_depth = 4\n', r"device\[0\].name must be a non-empty string"),
     (GOOD + '[[device]]\nname = "a"\n[[device]]\nname = "a"\n', r"device\[1\].name repeats device 'a'"),
     (GOOD + '[[device]]\nname = "a"\nqueue_dept = 4\n', r"unknown key in device\[0\]: 'queue_dept'"),
@@ -451,6 +455,13 @@ def test_suggest_queue_depth() -> None:
     assert suggest_queue_depth(1000.0, 900.0, 8, None) == 2
 
 
+def test_suggest_inflight_bytes() -> None:
+    """The reads that keep the drive busy, in bytes of the probe's read size; none unprobed."""
+    assert suggest_inflight_bytes(None, None, 8, 256, 1 << 20) is None
+    assert suggest_inflight_bytes(1312.1, 1847.6, 8, 256, 576 << 10) == 3 * (576 << 10)  # the VM's probe
+    assert suggest_inflight_bytes(500.0, 3500.0, 8, 4, 1 << 20) == 4 << 20  # nr_requests caps it too
+
+
 # ---------------------------------------------------------------------------------------------
 # the command
 
@@ -510,6 +521,7 @@ def test_cli_probe_and_write(tmp_path: Path) -> None:
     topo = load_topology(dest)
     assert topo.device(name).weight == 1.0 and 1 <= topo.device(name).queue_depth <= 4
     assert topo.device(name).bandwidth_mbps == probe["mbps"]
+    assert topo.device(name).inflight_bytes == topo.device(name).queue_depth * (256 << 10)
 
 
 def test_cli_write_without_probe(tmp_path: Path) -> None:

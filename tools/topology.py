@@ -38,6 +38,7 @@ from iosched.topology import (
     dump_topology,
     load_topology,
     probe_drive,
+    suggest_inflight_bytes,
     suggest_queue_depth,
 )
 
@@ -158,8 +159,13 @@ def _write(out: dict[str, Any], paths: list[str], dest: str, qd: int) -> str:
                          f"{'; memory-backed: these are memory speeds' if facts['memory_backed'] else ''})")
         else:
             notes.append(f"{name}: not probed; queue_depth = min({qd}, nr_requests {facts['nr_requests']})")
+        cap = suggest_inflight_bytes(p["qd1"]["mbps"] if p else None, p["mbps"] if p else None, qd,
+                                     facts["nr_requests"], p["bs"] if p else 0)
+        if cap is not None:
+            notes.append(f"{name}: inflight_bytes = {depth} reads x {p['bs'] if p else 0} bytes")
         devices[name] = DeviceConfig(queue_depth=depth, weight=weight,
-                                     bandwidth_mbps=float(p["mbps"]) if p and p["mbps"] > 0 else None)
+                                     bandwidth_mbps=float(p["mbps"]) if p and p["mbps"] > 0 else None,
+                                     inflight_bytes=cap)
     topo = Topology(primary=os.path.abspath(paths[0]), mirrors=tuple(os.path.abspath(p) for p in paths[1:]),
                     devices=devices)
     dest = os.path.abspath(dest)
