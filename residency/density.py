@@ -58,11 +58,20 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   work that ran inside it (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode token
   on, when what it spent exceeds the felt wait LRU would have had (this policy's, scaled by the
   LRU shadow's misses over its own), the most any eviction order could save, the eviction is
-  LRU's for good, as the shadow's verdict makes it.  A bound, not an estimate of the saving: a
-  rule that priced the misses it saves so far fired at qwen 4 TD before the ranking's lead came
-  (session 42, reverted); this one waits for a ranking whose every possible saving is below its
-  cost.  Where CPU is free (the critical-path replay's ``--cpu free``) it never fires, so the
-  same inputs still give the same numbers.
+  LRU's for good, as the shadow's verdict makes it.  A bound, not an estimate of the saving,
+  above one token cycle: a rule that priced the misses it saves so far fired at qwen 4 TD before
+  the ranking's lead came (session 42, reverted; session 46: the critical path's qwen, 500 MB/s,
+  1 ms a layer, 4 TD cell 0.965x ``lru`` priced against 0.984x with the bound).  At one token
+  cycle (a horizon of 1) the ranking is made afresh for every batch, its costliest setting, and
+  there the saving is priced: the misses it had fewer than the shadow, plus
+  :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead at its likely best), each at this
+  policy's mean felt wait a miss, never more than the bound.  Since the drives serve a layer's
+  reads one after another (``inflight_bytes``, ``iosched/_scheduler.py``) a miss costs the
+  engine far less, and at qwen 1 TD the ranking ran 0.962 and 0.974x ``lru`` in paired real
+  runs; priced, the verdict fired at token 16 (171 ms of ranking against at most 33 ms saved, at
+  0.25 ms a miss), 1.001 and 0.999x (docs/benchmarks.md, session 46).  Where CPU is free (the
+  critical-path replay's ``--cpu free``) it never fires, so the same inputs still give the same
+  numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
@@ -72,8 +81,8 @@ Everything else (the next-layer prefetch, its guard, its trial) is ``coact``'s: 
 displaced by a guess) and the eviction falls back to it.
 
 Constants: :data:`GUARD_SIGMAS` and :data:`MIN_TOKENS` are statistical (a 2-sigma rule on
-miss counts; three tokens as ``coact``'s trial); the cost verdict is a bound with no margin
-of its own and waits :data:`REFRESH_SETTLED` tokens (the density tables' settling); the bins
+miss counts; three tokens as ``coact``'s trial); the cost verdict gives the lead the same
+2 sigma and waits :data:`REFRESH_SETTLED` tokens (the density tables' settling); the bins
 and the prior are ``_hazard.py``'s.  Nothing is fitted to a trace.
 
 Invariants (:meth:`check`): ``coact``'s, plus: the resident mask is exactly the table's
@@ -452,13 +461,25 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
     def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
         """The ranking's cost verdict: LRU's eviction for good when the CPU this policy has
         spent beyond ``coact``'s (:attr:`_cost_s`) exceeds the felt wait LRU would have had,
-        this policy's felt wait scaled by the LRU shadow's misses over its own: no eviction
-        order saves more than all of it (module docstring, "What it costs")."""
+        this policy's felt wait scaled by the LRU shadow's misses over its own (no eviction
+        order saves more than all of it); at one token cycle, when it exceeds what its lead
+        over the shadow could have saved, plus :data:`GUARD_SIGMAS` of the shadow's noise, at
+        this policy's mean felt wait a miss (module docstring, "What it costs")."""
         felt0, cost0, mine0, theirs0 = self._decode_mark
         waited, spent, mine, theirs = felt() - felt0, self._cost_s - cost0, mine - mine0, theirs - theirs0
         if mine <= 0:
             return
-        at_most = waited * theirs / mine
+        per_miss = waited / mine
+        lead = theirs - mine
+        if self._horizon == 1:
+            at_most = min(theirs, max(0.0, lead + GUARD_SIGMAS * math.sqrt(max(theirs, 1)))) * per_miss
+            if at_most < spent:
+                self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms, "
+                             f"more than the {1e3 * at_most:.0f} ms of felt wait its lead could have saved "
+                             f"({lead} misses fewer than the LRU shadow's {theirs}, plus {GUARD_SIGMAS:g} sigma, "
+                             f"at {1e3 * per_miss:.2f} ms of felt wait a miss; since the first decode token)")
+            return
+        at_most = theirs * per_miss
         if at_most < spent:
             self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms, "
                          f"more than the {1e3 * at_most:.0f} ms of felt wait any eviction could have saved "

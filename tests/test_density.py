@@ -121,22 +121,42 @@ def costed_density(budget: int, step: float, felt_per_miss: float) -> DensityPol
     return policy
 
 
-def test_a_ranking_that_costs_more_than_any_eviction_could_save_turns_to_lru() -> None:
-    """Skewed routing at one token cycle, where the ranking misses fewer than LRU: with each
-    of its pieces of work costing 10 ms and each miss felt for 1 us, the whole felt wait LRU
-    would have had (the most any eviction order could save) is far below what it costs.  Not
-    before :data:`REFRESH_SETTLED` decode tokens (the tables settle); from then on LRU's
-    order, for good, and the verdict gives both sides."""
+@pytest.mark.parametrize(("cycles", "saying"), [(1, "felt wait its lead could have saved"),
+                                                 (2, "felt wait any eviction could have saved")])
+def test_a_ranking_that_costs_more_than_any_eviction_could_save_turns_to_lru(cycles: int, saying: str) -> None:
+    """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
+    costing 10 ms and each miss felt for 1 us, the whole felt wait LRU would have had (the most
+    any eviction order could save) is far below what it costs.  Not before
+    :data:`REFRESH_SETTLED` decode tokens (the tables settle); from then on LRU's order, for
+    good, and the verdict gives both sides (at one cycle it prices the lead, see below)."""
     tokens = routed_tokens(REFRESH_SETTLED + 4)
-    policy = costed_density(TD, step=0.01, felt_per_miss=1e-6)
-    table = ResidencyTable(TD, policy)
+    policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6)
+    table = ResidencyTable(cycles * TD, policy)
     drive(table, tokens[:REFRESH_SETTLED - 1])
     assert policy.eviction == "density" and policy._cost_s > 0
     drive(table, tokens[REFRESH_SETTLED - 1:])
     assert policy.eviction.startswith(f"lru (lru after {REFRESH_SETTLED} decode tokens: the ranking cost")
     verdict = policy.cost_verdict
-    assert verdict is not None and "felt wait any eviction could have saved" in verdict and "LRU shadow" in verdict
+    assert verdict is not None and saying in verdict and "LRU shadow" in verdict
     assert list(policy.victims()) == list(policy._order)
+
+
+@pytest.mark.parametrize(("cycles", "retires"), [(1, True), (2, False)])
+def test_at_one_token_cycle_the_verdict_prices_the_lead(cycles: int, retires: bool) -> None:
+    """At one token cycle (a ranking for every batch) the verdict prices what the ranking's
+    lead over the LRU shadow saved: each piece of its work costing 1 ms and each miss felt for
+    5 ms, its lead at token 16 plus 2 sigma (here it trails the shadow by a few misses, within
+    the noise) is worth less than it cost, though all of LRU's felt wait is worth more.  At two
+    cycles the bound alone judges (a lead there came late in real runs), and the ranking
+    stays."""
+    tokens = routed_tokens(REFRESH_SETTLED + 4)
+    policy = costed_density(cycles * TD, step=1e-3, felt_per_miss=5e-3)
+    drive(ResidencyTable(cycles * TD, policy), tokens)
+    if retires:
+        assert policy.eviction.startswith(f"lru (lru after {REFRESH_SETTLED} decode tokens: the ranking cost")
+        assert "its lead could have saved" in policy.eviction and "plus 2 sigma" in policy.eviction
+    else:
+        assert policy.eviction == "density" and policy.cost_verdict is None
 
 
 @pytest.mark.parametrize(("step", "felt_per_miss"), [(0.0, 1e-6), (1e-6, 1.0)])
