@@ -216,7 +216,7 @@ class Acquirer:
         self._lifecycle.check_open()
         self._wait_starts()
         try:
-            group = self.start_group(layouts)
+            group = self.start_group(layouts, ordered=False)  # awaited whole (see Ticket.ordered)
             out: list[Entry | BaseException | None] = [None] * len(layouts)
             try:
                 while group.pending:
@@ -241,7 +241,7 @@ class Acquirer:
         for _ in range(self._loader.submit_turns):
             await asyncio.sleep(0)
 
-    def start_group(self, layouts: list[ExpertLayout]) -> GroupWait:
+    def start_group(self, layouts: list[ExpertLayout], ordered: bool = True) -> GroupWait:
         """Start (or join) the load of each of ``layouts`` in the caller's step and return
         them in flight (:class:`GroupWait`): per acquire, its count, the policy's
         ``on_request``, its reservation and load (or the load it joins); only an acquire that
@@ -250,7 +250,7 @@ class Acquirer:
         (:attr:`groups_fast` false: :meth:`wait_counted`).  Counts no felt wait: whoever awaits the group does."""
         self._owner()
         self._lifecycle.check_open()
-        return GroupWait(self, layouts)
+        return GroupWait(self, layouts, ordered)
 
     def _count(self, layout: ExpertLayout, entry: Entry | None) -> None:
         """Count an acquire that was no hit, by what it found (``entry``: loading, or ``None``),
@@ -352,7 +352,9 @@ class GroupWait:
 
     __slots__ = ("_acquirer", "_keys", "_joined", "_parked", "_done")
 
-    def __init__(self, acquirer: Acquirer, layouts: list[ExpertLayout]) -> None:
+    def __init__(self, acquirer: Acquirer, layouts: list[ExpertLayout], ordered: bool = True) -> None:
+        """``ordered``: the loads this group starts are consumed as they land (see
+        :class:`~iosched._scheduler.Ticket`); an ``acquire_many`` awaiting them whole says no."""
         self._acquirer = acquirer
         self._keys = [layout.key for layout in layouts]
         self._joined: dict[int, tuple[Entry, asyncio.Future[None]]] = {}
@@ -378,7 +380,7 @@ class GroupWait:
                     if entry is None:  # no room now: the Room's line, in a task of its own
                         self._parked[i] = asyncio.ensure_future(acquirer._lease_when_loaded(layout))
                         continue
-                    loader.start(entry, layout)
+                    loader.start(entry, layout, ordered=ordered)
                 if entry.state is EntryState.RESIDENT:
                     acquirer._lease(entry)
                     self._done.append((i, entry))

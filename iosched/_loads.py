@@ -90,10 +90,11 @@ class Loader:
         """Budget bytes neither reserved nor leased: what idle slabs may hold."""
         return max(0, self._table.budget_bytes - self._table.used_bytes)
 
-    def start(self, entry: Entry, layout: ExpertLayout, priority: int = DEMAND) -> InFlight:
-        """Start loading the reserved (LOADING) ``entry``."""
+    def start(self, entry: Entry, layout: ExpertLayout, priority: int = DEMAND,
+              ordered: bool = True) -> InFlight:
+        """Start loading the reserved (LOADING) ``entry``; ``ordered``: see :class:`Ticket`."""
         loop = asyncio.get_running_loop()
-        record = InFlight(loop.create_future(), Ticket(priority))
+        record = InFlight(loop.create_future(), Ticket(priority, ordered))
         self.in_flight[layout.key] = record
         if self._room:
             self._room.loading(layout.key)  # acquires waiting for room to load it join instead

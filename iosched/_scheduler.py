@@ -27,7 +27,11 @@ misses lands after about ``1/n`` of the time and the compute overlaps the rest. 
 the development VM's virtio disk (session 46, docs/benchmarks.md): 2.25 MiB experts, one token
 cycle, compute in a thread, eight reads in flight: the felt wait 84-100 ms a token; capped at
 one or two experts' bytes 42-45 ms.  Smaller reads still go several at once, as many as fill
-the cap (576 KiB experts: three), since one alone leaves the drive's latency bare.
+the cap (576 KiB experts: three), since one alone leaves the drive's latency bare.  The reads of
+an ``acquire_many`` group, which its engine awaits whole, pass the cap (``Ticket.ordered``
+false; only ``queue_depth`` holds them): order buys them nothing, and one read at a time moved
+8-17 % fewer MB/s at 2.5 MiB (``iosched bench-readpath``) and cost an engine awaiting whole
+layers 3-4 % of its tokens/s (session 46).  Capped reads still wait behind them, in order.
 
 A demand acquire that joins a queued prefetch *promotes* it (:meth:`Ticket.promote`): its reads
 jump the queue instead of a second read being issued.
@@ -49,13 +53,17 @@ HINT = 2
 class Ticket:
     """The priority of one load, shared by all its reads; promotion re-queues waiting reads.
     ``prefetch`` says what started the load and stays when a demand promotes it: its bytes
-    were moved ahead of demand (``migration_bytes``) either way."""
+    were moved ahead of demand (``migration_bytes``) either way.  ``ordered``: the load is
+    consumed as it lands, so its reads go through the drive's byte cap (``inflight_bytes``),
+    one expert after another; an ``acquire_many`` that awaits its whole group clears it, as
+    order buys such a group nothing and the cap costs it bandwidth (module docstring)."""
 
-    __slots__ = ("priority", "prefetch", "_waiting")
+    __slots__ = ("priority", "prefetch", "ordered", "_waiting")
 
-    def __init__(self, priority: int) -> None:
+    def __init__(self, priority: int, ordered: bool = True) -> None:
         self.priority = priority
         self.prefetch = priority == PREFETCH
+        self.ordered = ordered
         self._waiting: list[tuple[DeviceQueue, _Waiter]] = []
 
     def promote(self) -> None:
@@ -72,12 +80,13 @@ class Ticket:
 
 
 class _Waiter:
-    __slots__ = ("fut", "priority", "speculative", "nbytes")
+    __slots__ = ("fut", "priority", "speculative", "nbytes", "capped")
 
-    def __init__(self, fut: asyncio.Future[None], priority: int, nbytes: int) -> None:
+    def __init__(self, fut: asyncio.Future[None], priority: int, nbytes: int, capped: bool) -> None:
         self.fut = fut
         self.priority = priority
         self.nbytes = nbytes
+        self.capped = capped
         self.speculative = False
         """Whether the slot it was granted counts as speculative (set when granted)."""
 
@@ -112,10 +121,11 @@ class DeviceQueue:
         """Reads waiting for a slot now."""
         return self._live_demand + self._live_speculative
 
-    def _may_start(self, priority: int, nbytes: int) -> bool:
+    def _may_start(self, priority: int, nbytes: int, capped: bool = True) -> bool:
         if self.in_flight >= self.depth:
             return False
-        if self.in_flight and self.inflight_bytes and self.bytes_in_flight + nbytes > self.inflight_bytes:
+        if (capped and self.in_flight and self.inflight_bytes
+                and self.bytes_in_flight + nbytes > self.inflight_bytes):
             return False
         if priority == DEMAND:
             return True
@@ -141,14 +151,15 @@ class DeviceQueue:
         :meth:`release` with the same ``nbytes``)."""
         priority = ticket.priority
         ahead = self._live_demand if priority == DEMAND else self.queued
-        if ahead == 0 and self._may_start(priority, nbytes):
+        capped = ticket.ordered
+        if ahead == 0 and self._may_start(priority, nbytes, capped):
             return self._grant(priority, nbytes)
         self.waited += 1
         if priority == DEMAND:
             self._live_demand += 1
         else:
             self._live_speculative += 1
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), priority, nbytes)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), priority, nbytes, capped)
         self._push(waiter, priority)
         entry = (self, waiter)
         ticket._waiting.append(entry)
@@ -185,7 +196,7 @@ class DeviceQueue:
             if waiter.fut.done() or priority != waiter.priority:
                 heapq.heappop(heap)
                 continue  # cancelled, or a stale entry left behind by a promotion
-            if not self._may_start(priority, waiter.nbytes):
+            if not self._may_start(priority, waiter.nbytes, waiter.capped):
                 return
             heapq.heappop(heap)
             if priority == DEMAND:

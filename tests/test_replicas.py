@@ -15,6 +15,7 @@ from iosched._mirrors import MirrorError
 from iosched._router import DEGRADE_AFTER, Replica, Router
 from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
 from iosched.backends.throttle import ThrottledBackend
+from tests._wrappers import GatedBackend
 from tests.test_store import expected_bytes
 
 pytestmark = pytest.mark.asyncio
@@ -405,3 +406,59 @@ async def test_bytes_in_flight_cap() -> None:
     for _ in range(8):
         await uncapped.acquire(demand, 4 * mib)
     assert uncapped.in_flight == 8 and uncapped.bytes_in_flight == 32 * mib
+
+
+async def test_a_whole_group_passes_the_byte_cap() -> None:
+    """Reads of an unordered ticket (an ``acquire_many`` group, awaited whole) are held by the
+    depth alone; an ordered read still waits for the bytes in flight, theirs included."""
+    mib = 1 << 20
+    queue = DeviceQueue(depth=4, inflight_bytes=2 * mib)
+    whole, ordered = Ticket(DEMAND, ordered=False), Ticket(DEMAND)
+    for _ in range(4):
+        assert await queue.acquire(whole, 2 * mib) is False
+    assert queue.in_flight == 4 and queue.bytes_in_flight == 8 * mib
+    waiting = asyncio.create_task(queue.acquire(ordered, 4096))
+    await asyncio.sleep(0)
+    for _ in range(3):
+        queue.release(False, 2 * mib)
+        await asyncio.sleep(0)
+        assert not waiting.done()  # 2 MiB still in flight: 4 KiB more would pass the cap
+    queue.release(False, 2 * mib)
+    assert await waiting is False and queue.bytes_in_flight == 4096
+    queue.release(False, 4096)
+    assert queue.in_flight == 0 and queue.bytes_in_flight == 0
+
+
+@pytest.mark.parametrize("grouping", ["acquire_many", "acquire_as_ready"])
+async def test_which_groups_go_one_read_at_a_time(st_checkpoint: Path, grouping: str) -> None:
+    """With a cap below any read, an ``acquire_as_ready`` group's misses reach the drive one at
+    a time, in order, while an ``acquire_many`` group's all go at once (its engine awaits them
+    whole, so order buys it nothing)."""
+    from iosched import override_settings
+
+    backend = GatedBackend()
+    keys = [(1, e) for e in range(4)]
+    with override_settings(inflight_bytes=1):
+        async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
+                                          policy="lru") as store:
+            (queue,) = store._io.queues.values()
+
+            async def use() -> None:
+                if grouping == "acquire_many":
+                    async with store.acquire_many(keys):
+                        pass
+                else:
+                    async with store.acquire_as_ready(keys) as arrivals:
+                        async for _ in arrivals:
+                            pass
+
+            task = asyncio.create_task(use())
+            while backend.started < (4 if grouping == "acquire_many" else 1):
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)
+            assert queue.in_flight == (4 if grouping == "acquire_many" else 1)
+            tickets = {rec.ticket.ordered for rec in store._loader.in_flight.values()}
+            assert tickets == {grouping == "acquire_as_ready"}
+            backend.gate.set()
+            await task
+            assert queue.in_flight == 0 and queue.bytes_in_flight == 0
