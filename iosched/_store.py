@@ -298,7 +298,9 @@ class ExpertStore:
 
     def acquire_many(self, keys: Iterable[ExpertKey]) -> LeaseGroup:
         """``async with store.acquire_many(keys) as views``: lease several experts at once,
-        loading the missing ones concurrently; views come in the order of ``keys``."""
+        loading the missing ones concurrently; views come in the order of ``keys``.  Awaited
+        whole, their reads go to the drives together (``queue_depth``), not one expert after
+        another as an ``acquire_as_ready`` group's do (``inflight_bytes``)."""
         if _thread_ident() != self._thread:
             self._check_loop()
         return LeaseGroup(self._acquirer, keys)
@@ -311,7 +313,9 @@ class ExpertStore:
         stays leased until the group exits; ``view.key`` says which expert it holds.  A failed
         acquire raises (a ``StoreError`` naming the expert) after the batch that held the
         others; exiting early gives up the loads not handed over (they go on for whoever else
-        waits).  The felt wait counts only the awaits of the iteration."""
+        waits).  The felt wait counts only the awaits of the iteration.  The loads' reads go to
+        each drive one expert after another (the ``inflight_bytes`` setting), so that the first
+        lands early instead of all of them late (iosched/_scheduler.py)."""
         if _thread_ident() != self._thread:
             self._check_loop()
         return ArrivalGroup(self._acquirer, keys)
