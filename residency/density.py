@@ -67,9 +67,11 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead at its likely best), each at this
   policy's mean felt wait a miss, never more than the bound.  Since the drives serve a layer's
   reads one after another (``inflight_bytes``, ``iosched/_scheduler.py``) a miss costs the
-  engine far less, and at qwen 1 TD the ranking ran 0.962 and 0.974x ``lru`` in paired real
-  runs; priced, the verdict fired at token 16 (171 ms of ranking against at most 33 ms saved, at
-  0.25 ms a miss), 1.001 and 0.999x (docs/benchmarks.md, session 46).  Where CPU is free (the
+  engine far less, and at qwen 1 TD the ranking ran 0.957-0.979x ``lru`` in paired real runs;
+  priced, the verdict fired at token 16 in every run (e.g. 93 ms of ranking against at most 31
+  ms saved, at 0.23 ms a miss), 0.977-1.002x (median 0.999, six runs).  It costs gemma 1 TD
+  the little its ranking paid (kept: 1.000-1.026x; priced: 0.983-1.011x, median 0.993;
+  docs/benchmarks.md, session 46).  Where CPU is free (the
   critical-path replay's ``--cpu free``) it never fires, so the same inputs still give the same
   numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
