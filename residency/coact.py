@@ -766,7 +766,7 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             require(per_layer == self._resident_in, "coact: the per-layer resident counts are off")
         require(0.0 <= self.stale_reuse <= 1.0, "coact: the stale reuse is not a probability")
         require(self.calibration > 0.0, "coact: the calibration is not positive")
-        require(not self._retired or (self._trial is None and not self._prefetching),
+        require(not self._retired or (self._trial is None and not self.prefetching),
                 "coact: retired with the trial running or the prefetch on")
         require(self._guessing or not self._ghosts, "coact: stale victims remembered with no guess to weigh")
 

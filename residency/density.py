@@ -1,5 +1,6 @@
-"""``density``: ``coact``'s prefetch, with an eviction that ranks by hit density and an LRU
-shadow that can overrule it.
+"""``density``: ``coact``'s prefetch, with an eviction that ranks by hit density, an LRU
+shadow that can overrule it, and a cost verdict that retires it to LRU's order or, above one
+token cycle, to S3-FIFO's queues.
 
 Why: with the engine computing on what is at hand (``acquire_as_ready``) the felt wait left
 is the reads that outlast the compute of a layer's hits, and fewer misses is what shortens
@@ -55,42 +56,40 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   its visits and rankings 46 ms over 15 decode tokens against 18 ms of felt wait in all
   (docs/demo.md, session 44).  So the policy times its own work on the store's clock
   (``set_clock``) and the store tells it the engine's felt wait so far, less its own batch-end
-  work that ran inside it (``set_felt_wait``): from the :data:`REFRESH_SETTLED`-th decode token
-  on, when what it spent exceeds the felt wait LRU would have had (this policy's, scaled by the
-  LRU shadow's misses over its own), the most any eviction order could save, the eviction is
-  LRU's for good, as the shadow's verdict makes it.  A bound, not an estimate of the saving,
-  above one token cycle: a rule that priced the misses it saves so far fired at qwen 4 TD before
-  the ranking's lead came (session 42, reverted; session 46: the critical path's qwen, 500 MB/s,
-  1 ms a layer, 4 TD cell 0.965x ``lru`` priced against 0.984x with the bound).  At one token
-  cycle (a horizon of 1) the ranking is made afresh for every batch, its costliest setting, and
-  there the saving is priced: the misses it had fewer than the shadow, plus
-  :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead at its likely best), each at this
-  policy's mean felt wait a miss, never more than the bound.  Since the drives serve a layer's
-  reads one after another (``inflight_bytes``, ``iosched/_scheduler.py``) a miss costs the
-  engine far less, and at qwen 1 TD the ranking ran 0.957-0.979x ``lru`` in paired real runs;
-  priced, the verdict fired at token 16 in every run (e.g. 93 ms of ranking against at most 31
-  ms saved, at 0.23 ms a miss), 0.977-1.002x (median 0.999, six runs).  It costs gemma 1 TD
-  the little its ranking paid (kept: 1.000-1.026x; priced: 0.983-1.011x, median 0.993;
-  docs/benchmarks.md, session 46).  Where CPU is free (the
-  critical-path replay's ``--cpu free``) it never fires, so the same inputs still give the same
-  numbers.
+  work that ran inside it (``set_felt_wait``).  From the :data:`COST_VERDICT_FROM`-th decode
+  token on, the verdict prices what the ranking's lead could have saved: the misses it had
+  fewer than the LRU shadow, plus :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead
+  at its likely best), each at this policy's mean felt wait a miss, never more than all of the
+  felt wait LRU would have had (session 44's bound, the most any eviction order could save).
+  When the ranking has cost more than that, and more than :data:`MATERIAL_SHARE` of the
+  decode's time, it retires for good: to LRU's order at one token cycle, to S3-FIFO's queues
+  above (``residency/_s3fifo.py``: from two cycles up they keep most of the ranking's hits at
+  LRU's cost; at one they lose to LRU).  Since the drives serve a layer's reads one after
+  another (``inflight_bytes``, ``iosched/_scheduler.py``) a miss costs the engine 0.07-0.25 ms
+  of felt wait at 2.25 MiB, and in paired real runs the ranking kept ran 0.957-0.979x ``lru``
+  at qwen 1 TD and 0.978-0.994x at 4 TD (session 46); retired at token 5, ``default`` runs
+  1.001-1.005x ``lru`` at 4 TD (S3-FIFO) and 0.983-0.997x at 1 TD (LRU), docs/benchmarks.md,
+  session 47.  Priced only at one token cycle, with the bound above it (session 46), the
+  ranking stayed at 4 TD.  Where CPU is free (the critical-path replay's ``--cpu free``) it
+  never fires, so the same inputs still give the same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.
 
 Everything else (the next-layer prefetch, its guard, its trial) is ``coact``'s: a subclass.
 ``coact``'s LRU order is kept beside the ranking: its guard reads it (a fresh victim is never
-displaced by a guess) and the eviction falls back to it.
+displaced by a guess), the eviction falls back to it, and S3-FIFO's queues start from it.
 
 Constants: :data:`GUARD_SIGMAS` and :data:`MIN_TOKENS` are statistical (a 2-sigma rule on
 miss counts; three tokens as ``coact``'s trial); the cost verdict gives the lead the same
-2 sigma and waits :data:`REFRESH_SETTLED` tokens (the density tables' settling); the bins
-and the prior are ``_hazard.py``'s.  Nothing is fitted to a trace.
+2 sigma and waits as many tokens (:data:`COST_VERDICT_FROM`); :data:`MATERIAL_SHARE` is
+measured (a switch's own cost); the bins and the prior are ``_hazard.py``'s.  Nothing is
+fitted to a trace.
 
 Invariants (:meth:`check`): ``coact``'s, plus: the resident mask is exactly the table's
 keys; the Python lists of last routings and counts equal their arrays; no expert's last
 routing is after its layer's visits; the shadow holds no more bytes
-than the budget.
+than the budget; once S3-FIFO evicts, its queues' (``_s3fifo.py``).
 """
 
 from __future__ import annotations
@@ -107,6 +106,7 @@ from iosched._errors import require
 
 from ._hazard import AGE_MAX, COUNT_BIN_OF, HazardTable, count_bin
 from ._policy import Capability, FeltWaitAware, Key, ModelShape
+from ._s3fifo import S3Fifo
 from .coact import CoactPolicy
 
 _T = TypeVar("_T")
@@ -155,9 +155,26 @@ Q4_K_M's mix, 0.5-8 TD, session 36) moved the same bytes within 0.5 % with ``B0`
 35 of 35 cells (34 before: ``s3`` at 8 TD, 1.006x S3FIFO's).
 Where every layer's experts have the same size the factor is a constant and left out."""
 
+MATERIAL_SHARE = 0.01
+"""The cost verdict retires the ranking only when it cost more than this share of the decode's
+time so far: a ranking that costs less cannot slow the engine by more, and a switch of eviction
+order mid-run has a cost of its own (the evicted experts the new order would have kept come
+back as misses).  Measured on the critical path's qwen, 500 MB/s, 1 ms a layer, 4 TD cell,
+where the ranking cost 0.5 % of the time and trailed the LRU shadow within its noise: retired
+at token 26 it ran 0.965x (to LRU) and 0.969x ``lru`` (to S3-FIFO), kept 0.983x (session 47).
+Where it retires in the real runs it cost 2-3 % (qwen and gemma, 1 and 4 TD, 2.25 MiB)."""
+
 MIN_TOKENS = 3
 """Decode tokens before the guard may decide: the fewest over which a count of misses
 differs by more than the routing's noise (``coact``'s trial waits as many pairs)."""
+
+COST_VERDICT_FROM = MIN_TOKENS
+"""Decode tokens before the cost verdict may decide: as many as the shadow's verdict waits.
+The verdict prices the ranking's lead at its likely best (plus :data:`GUARD_SIGMAS` of the
+shadow's noise), wide over a few tokens, so an early look errs toward keeping the ranking;
+until session 47 it waited :data:`REFRESH_SETTLED` tokens (the density tables' settling), and
+in the paired real runs, where it retired the ranking at token 16 every time, those tokens ran
+3-10 % slower than ``lru``'s (qwen and gemma, 1 and 4 TD, 2.25 MiB experts; session 47)."""
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -177,6 +194,7 @@ def _cbin_offset(count: int) -> int:
 class DensityPolicy(CoactPolicy, FeltWaitAware):
     name: ClassVar[str] = "density"
     capabilities: ClassVar[Capability] = CoactPolicy.capabilities | Capability.FELT_WAIT
+    cost_verdict_from: ClassVar[int] = COST_VERDICT_FROM
 
     def __init__(self, prefetch_width: int | None = None) -> None:
         super().__init__(prefetch_width)
@@ -229,6 +247,9 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._lru_reason: str | None = None
         self._overruled = False
         """Whether the shadow overruled the ranking (the verdict says so)."""
+        self._s3: S3Fifo | None = None
+        """The eviction's queues once the cost verdict retired the ranking above one token
+        cycle (``residency/_s3fifo.py``); ``None`` while the ranking or LRU evicts."""
         self._shadow: OrderedDict[int, int] = OrderedDict()
         """The LRU shadow: flat indices, oldest use first, and their bytes."""
         self._shadow_held = 0
@@ -241,9 +262,9 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._cost_s = 0.0
         """Seconds on the store's clock this policy spent on what ``coact`` does not do: the
         visits (ages, counts, the shadow, the hazard table) and the rankings."""
-        self._decode_mark = (0.0, 0.0, 0, 0)
-        """At the first decode token's end: the felt wait, :attr:`_cost_s` and both miss counts
-        (the cost verdict weighs the decode's, not the prompt's)."""
+        self._decode_mark = (0.0, 0.0, 0.0, 0, 0)
+        """At the first decode token's end: the store's clock, the felt wait, :attr:`_cost_s`
+        and both miss counts (the cost verdict weighs the decode's, not the prompt's)."""
         self._cur = 0
         self._epoch = 0
         """Batches closed (``_close_batch``): a ranking is valid for the epoch it was made for."""
@@ -299,8 +320,11 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._horizon = max(1, min(AGE_MAX - 1, round(self._budget / cycle)))
         self._rerank = min(self._horizon, RERANK_MAX)
         self._refresh()
-        if self._budget >= self._E * sum(self._expert_bytes) and not self._lru:
+        if self._budget >= self._E * sum(self._expert_bytes) and (not self._lru or self._s3 is not None):
             self._to_lru("the budget holds every expert: nothing to rank", overruled=False)
+        elif self._s3 is not None and self._horizon < 2:  # (S3-FIFO loses to LRU there: _s3fifo.py)
+            self._to_lru(f"lru: the budget fell to {self._budget / cycle:.2f} token cycles, where "
+                         f"S3-FIFO loses to LRU (it evicted from {self._decoded} decode tokens on)")
 
     def _refresh(self) -> None:
         phit, extra = self._hz.density(self._horizon)
@@ -310,7 +334,9 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
     @property
     def eviction(self) -> str:
         """``density``, or ``lru`` and why (``stats()["policy_verdict"]`` carries it too)."""
-        return "density" if not self._lru else f"lru ({self._lru_reason})"
+        if not self._lru:
+            return "density"
+        return f"s3fifo ({self._lru_reason})" if self._s3 is not None else f"lru ({self._lru_reason})"
 
     @property
     def cost_verdict(self) -> str | None:
@@ -452,50 +478,57 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         mine = self._all_misses + self._used
         theirs = self._shadow_misses
         if self._decoded == 1 and self._felt is not None:  # the cost verdict counts from here
-            self._decode_mark = (self._felt(), self._cost_s, mine, theirs)
+            self._decode_mark = (self._now() if self._now is not None else 0.0, self._felt(), self._cost_s,
+                                 mine, theirs)
         if self._decoded >= MIN_TOKENS:
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
-            elif self._decoded >= REFRESH_SETTLED and self._felt is not None:
+            elif self._decoded >= self.cost_verdict_from and self._felt is not None:
                 self._judge_cost(self._felt, mine, theirs)
 
     def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
-        """The ranking's cost verdict: LRU's eviction for good when the CPU this policy has
-        spent beyond ``coact``'s (:attr:`_cost_s`) exceeds the felt wait LRU would have had,
-        this policy's felt wait scaled by the LRU shadow's misses over its own (no eviction
-        order saves more than all of it); at one token cycle, when it exceeds what its lead
-        over the shadow could have saved, plus :data:`GUARD_SIGMAS` of the shadow's noise, at
-        this policy's mean felt wait a miss (module docstring, "What it costs")."""
-        felt0, cost0, mine0, theirs0 = self._decode_mark
+        """The ranking's cost verdict: when the CPU this policy has spent beyond ``coact``'s
+        (:attr:`_cost_s`) exceeds what its lead over the LRU shadow could have saved, plus
+        :data:`GUARD_SIGMAS` of the shadow's noise, at this policy's mean felt wait a miss
+        (never more than all of the felt wait LRU would have had), and exceeds
+        :data:`MATERIAL_SHARE` of the decode's time, LRU's eviction for good at one token
+        cycle, S3-FIFO's above (module docstring, "What it costs")."""
+        t0, felt0, cost0, mine0, theirs0 = self._decode_mark
         waited, spent, mine, theirs = felt() - felt0, self._cost_s - cost0, mine - mine0, theirs - theirs0
-        if mine <= 0:
+        elapsed = self._now() - t0 if self._now is not None else 0.0
+        if mine <= 0 or spent <= MATERIAL_SHARE * elapsed:
             return
         per_miss = waited / mine
         lead = theirs - mine
-        if self._horizon == 1:
-            at_most = min(theirs, max(0.0, lead + GUARD_SIGMAS * math.sqrt(max(theirs, 1)))) * per_miss
-            if at_most < spent:
-                self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms, "
-                             f"more than the {1e3 * at_most:.0f} ms of felt wait its lead could have saved "
-                             f"({lead} misses fewer than the LRU shadow's {theirs}, plus {GUARD_SIGMAS:g} sigma, "
-                             f"at {1e3 * per_miss:.2f} ms of felt wait a miss; since the first decode token)")
-            return
-        at_most = theirs * per_miss
+        at_most = min(theirs, max(0.0, lead + GUARD_SIGMAS * math.sqrt(max(theirs, 1)))) * per_miss
         if at_most < spent:
-            self._to_lru(f"lru after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms, "
-                         f"more than the {1e3 * at_most:.0f} ms of felt wait any eviction could have saved "
-                         f"(LRU's: the felt wait, {1e3 * waited:.0f} ms, at the LRU shadow's {theirs} misses "
-                         f"against {mine}; since the first decode token)")
+            why = (f"after {self._decoded} decode tokens: the ranking cost {1e3 * spent:.0f} ms "
+                   f"({100 * spent / max(elapsed, spent):.1f} % of the decode's time), "
+                   f"more than the {1e3 * at_most:.0f} ms of felt wait its lead could have saved "
+                   f"({lead} misses fewer than the LRU shadow's {theirs}, plus {GUARD_SIGMAS:g} sigma, "
+                   f"at {1e3 * per_miss:.2f} ms of felt wait a miss; since the first decode token)")
+            if self._horizon == 1:
+                self._to_lru(f"lru {why}")
+            else:
+                self._to_s3(f"s3fifo {why}")
 
     def _to_lru(self, reason: str, overruled: bool = True) -> None:
         self._lru, self._lru_reason = True, reason
         self._overruled = overruled
+        self._s3 = None
         self._shadow.clear()
         self._shadow_held = 0
         self._pending = []
-        if self._trial is None and not self._prefetching and not self._engine_seen and self._verdict:
-            super()._retire()  # the trial had turned the prefetch off: LRU alone from here
+        if (self._trial is None and not self.prefetching and not self._engine_seen
+                and (self._verdict or not self._width)):
+            super()._retire()  # the trial had turned the prefetch off (or it never ran): LRU alone from here
+
+    def _to_s3(self, reason: str) -> None:
+        """The ranking retired for its cost above one token cycle: S3-FIFO's queues evict from
+        here (``residency/_s3fifo.py``), the resident keys starting in main, LRU's order."""
+        self._to_lru(reason)
+        self._s3 = S3Fifo(self._k * sum(self._expert_bytes), ((key, self._bytes[key]) for key in self._order))
 
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
         """A prompt's router rows: ``coact``'s learning, and each row one visit of the
@@ -520,8 +553,16 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     # ------------------------------------------------------------------ membership
 
+    def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
+        super().on_request(key, nbytes, hit)
+        if hit and self._s3 is not None:
+            self._s3.hit(key)
+
     def on_insert(self, key: Key, nbytes: int) -> None:
+        guess = self._admitting == key
         super().on_insert(key, nbytes)
+        if self._s3 is not None:
+            self._s3.insert(key, nbytes, guess)
         if self._retired:  # (retired, the eviction is LRU's for good: no ranking reads the mask)
             return
         p, e = self._where[key]
@@ -535,6 +576,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     def on_remove(self, key: Key) -> None:
         super().on_remove(key)
+        if self._s3 is not None:
+            self._s3.remove(key)
         if not self._retired:
             p, e = self._where[key]
             self._res_bytes[p * self._E + e] = 0
@@ -547,6 +590,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             self._res_bytes[p * self._E + e] = 1
 
     def victims(self) -> Iterator[Key]:
+        if self._s3 is not None:
+            return self._s3.victims()  # (the keys it was given)
         if self._lru:
             return iter(self._order)
         return self._ranked()
@@ -690,6 +735,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
                 "density: an expert was routed after its layer's last visit")
         require(self._budget is None or self._shadow_held <= self._budget,
                 "density: the LRU shadow holds more than the budget")
+        if self._s3 is not None:
+            self._s3.check(set(keys))
 
 
-__all__ = ["GUARD_SIGMAS", "MIN_TOKENS", "MISS_FIXED_BYTES", "DensityPolicy"]
+__all__ = ["COST_VERDICT_FROM", "GUARD_SIGMAS", "MATERIAL_SHARE", "MIN_TOKENS", "MISS_FIXED_BYTES", "DensityPolicy"]

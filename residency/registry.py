@@ -19,9 +19,10 @@ from .wtinylfu import WTinyLFUPolicy
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lru": LRUPolicy,
     # "default" is the policy that measured best where the engine feels it (docs/residency.md):
-    # lru's eviction plus a next-layer prefetch that never displaces a fresh expert and is
-    # turned off when it slows the engine (residency/coact.py).  It needs the model's shape
-    # (set_shape), which the store and iosched replay give it.
+    # density's eviction (below), which retires to LRU's order, or above one token cycle to
+    # S3-FIFO's queues (residency/_s3fifo.py), where its Python costs the engine more than its
+    # lead saves, plus coact's next-layer prefetch, turned off when it slows the engine.  It
+    # needs the model's shape (set_shape), which the store and iosched replay give it.
     "default": DensityPolicy,
     "coact": CoactPolicy,
     # coact's prefetch, eviction by learned hit density under an LRU shadow that can overrule

@@ -18,7 +18,9 @@ from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
 from iosched.residency.coact import CoactPolicy
 from iosched.residency.density import (
+    COST_VERDICT_FROM,
     GUARD_SIGMAS,
+    MATERIAL_SHARE,
     MIN_TOKENS,
     MISS_FIXED_BYTES,
     REFRESH_SETTLED,
@@ -121,42 +123,101 @@ def costed_density(budget: int, step: float, felt_per_miss: float) -> DensityPol
     return policy
 
 
-@pytest.mark.parametrize(("cycles", "saying"), [(1, "felt wait its lead could have saved"),
-                                                 (2, "felt wait any eviction could have saved")])
-def test_a_ranking_that_costs_more_than_any_eviction_could_save_turns_to_lru(cycles: int, saying: str) -> None:
+@pytest.mark.parametrize(("cycles", "to"), [(1, "lru"), (2, "s3fifo")])
+def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int, to: str) -> None:
     """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
-    costing 10 ms and each miss felt for 1 us, the whole felt wait LRU would have had (the most
-    any eviction order could save) is far below what it costs.  Not before
-    :data:`REFRESH_SETTLED` decode tokens (the tables settle); from then on LRU's order, for
-    good, and the verdict gives both sides (at one cycle it prices the lead, see below)."""
-    tokens = routed_tokens(REFRESH_SETTLED + 4)
+    costing 10 ms and each miss felt for 1 us, what its lead over the LRU shadow could have
+    saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
+    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict); from then on, for good,
+    LRU's order at one cycle, S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the
+    ranking's hits there at LRU's cost), and the verdict gives both sides."""
+    tokens = routed_tokens(COST_VERDICT_FROM + 4)
     policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6)
     table = ResidencyTable(cycles * TD, policy)
-    drive(table, tokens[:REFRESH_SETTLED - 1])
+    drive(table, tokens[:COST_VERDICT_FROM - 1])
     assert policy.eviction == "density" and policy._cost_s > 0
-    drive(table, tokens[REFRESH_SETTLED - 1:])
-    assert policy.eviction.startswith(f"lru (lru after {REFRESH_SETTLED} decode tokens: the ranking cost")
+    drive(table, tokens[COST_VERDICT_FROM - 1:])
+    assert policy.eviction.startswith(f"{to} ({to} after {COST_VERDICT_FROM} decode tokens: the ranking cost")
     verdict = policy.cost_verdict
-    assert verdict is not None and saying in verdict and "LRU shadow" in verdict
-    assert list(policy.victims()) == list(policy._order)
+    assert verdict is not None and "its lead could have saved" in verdict and "LRU shadow" in verdict
+    assert "plus 2 sigma" in verdict and "% of the decode's time" in verdict
+    # (without a prefetch, prefetch_width 0, nothing of coact's is left either: LRU's or
+    # S3-FIFO's work alone, and no batch-end work)
+    assert policy._retired and policy.end_batch() is None
+    if to == "lru":
+        assert policy._s3 is None and list(policy.victims()) == list(policy._order)
+    else:
+        assert policy._s3 is not None
+        assert set(policy.victims()) == set(policy._order)
+    table.check()
 
 
-@pytest.mark.parametrize(("cycles", "retires"), [(1, True), (2, False)])
-def test_at_one_token_cycle_the_verdict_prices_the_lead(cycles: int, retires: bool) -> None:
-    """At one token cycle (a ranking for every batch) the verdict prices what the ranking's
-    lead over the LRU shadow saved: each piece of its work costing 1 ms and each miss felt for
-    5 ms, its lead at token 16 plus 2 sigma (here it trails the shadow by a few misses, within
-    the noise) is worth less than it cost, though all of LRU's felt wait is worth more.  At two
-    cycles the bound alone judges (a lead there came late in real runs), and the ranking
-    stays."""
+@pytest.mark.parametrize("cycles", [1, 2])
+def test_the_verdict_prices_the_lead_not_all_of_lrus_wait(cycles: int) -> None:
+    """The verdict prices what the ranking's lead over the LRU shadow saved: each piece of its
+    work costing 1 ms and each miss felt for 5 ms, its lead plus 2 sigma (here it trails the
+    shadow by a few misses, within the noise) is worth less than it cost by token 16, though
+    all of LRU's felt wait (session 44's bound, the most any eviction could save) is worth
+    more."""
     tokens = routed_tokens(REFRESH_SETTLED + 4)
     policy = costed_density(cycles * TD, step=1e-3, felt_per_miss=5e-3)
     drive(ResidencyTable(cycles * TD, policy), tokens)
-    if retires:
-        assert policy.eviction.startswith(f"lru (lru after {REFRESH_SETTLED} decode tokens: the ranking cost")
-        assert "its lead could have saved" in policy.eviction and "plus 2 sigma" in policy.eviction
-    else:
-        assert policy.eviction == "density" and policy.cost_verdict is None
+    to = "lru" if cycles == 1 else "s3fifo"
+    assert policy.eviction.startswith(f"{to} ({to} after ")
+    assert "its lead could have saved" in policy.eviction and "plus 2 sigma" in policy.eviction
+    decided = int(policy.eviction.split(" after ")[1].split()[0])
+    assert COST_VERDICT_FROM <= decided <= REFRESH_SETTLED
+
+
+@pytest.mark.parametrize("share", [0.004, 0.04])
+def test_a_ranking_that_costs_less_than_a_percent_of_the_decode_stays(share: float) -> None:
+    """The same losing lead, but the ranking's cost a small share of the decode's time (a clock
+    that moves mostly outside the policy's work, as an engine's compute does): below
+    :data:`MATERIAL_SHARE` it stays (a switch of eviction order mid-run costs misses of its own),
+    above it retires."""
+    tokens = routed_tokens(REFRESH_SETTLED + 4)
+    policy, _ = density(TD)
+    clock = SteppingClock(1e-3)
+    policy.set_clock(clock)
+    policy.set_felt_wait(lambda: 1e-9 * (policy._all_misses + policy._used))
+    table = ResidencyTable(TD, policy)
+    for token in tokens:
+        cost = policy._cost_s
+        drive(table, [token])
+        clock.t += (policy._cost_s - cost) / share  # the engine's time in this token, beside the policy's work
+    assert (policy.eviction == "density") == (share < MATERIAL_SHARE)
+
+
+def test_after_the_ranking_s3fifo_evicts_and_keeps_its_invariants() -> None:
+    """Retired to S3-FIFO at two token cycles, the policy goes on through more tokens with the
+    table's invariants and its own re-checked after each: the queues hold exactly the resident
+    keys, and nothing of the ranking runs between batches any more."""
+    tokens = routed_tokens(REFRESH_SETTLED + 40)
+    policy = costed_density(2 * TD, step=0.01, felt_per_miss=1e-6)
+    table = ResidencyTable(2 * TD, policy)
+    drive(table, tokens[:REFRESH_SETTLED + 1])
+    s3 = policy._s3
+    assert s3 is not None
+    for token in tokens[REFRESH_SETTLED + 1:]:
+        drive(table, [token])
+        table.check()
+    assert s3.main and len(s3.small) + len(s3.main) == len(table)
+    assert s3.small_bytes == SHAPE.token_cycle_bytes
+
+
+def test_s3fifo_turns_to_lru_when_the_budget_falls_below_two_token_cycles() -> None:
+    """S3-FIFO loses to LRU at one token cycle (the probationary queue is the whole budget):
+    a budget that shrinks there turns the eviction to LRU's; one that grows to hold the model
+    too (nothing is evicted)."""
+    for budget, saying in [(TD, "lru (lru: the budget fell to 1.00 token cycles"),
+                           (SHAPE.n_expert * sum(SHAPE.expert_bytes.values()), "lru (the budget holds every expert")]:
+        policy = costed_density(2 * TD, step=0.01, felt_per_miss=1e-6)
+        table = ResidencyTable(2 * TD, policy)
+        drive(table, routed_tokens(REFRESH_SETTLED + 1))
+        assert policy._s3 is not None
+        policy.set_budget(budget)
+        assert policy._s3 is None and policy.eviction.startswith(saying)
+        assert list(policy.victims()) == list(policy._order)
 
 
 @pytest.mark.parametrize(("step", "felt_per_miss"), [(0.0, 1e-6), (1e-6, 1.0)])
