@@ -60,7 +60,8 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   token on, the verdict prices what the ranking's lead could have saved: the misses it had
   fewer than the LRU shadow, plus :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead
   at its likely best), each at this policy's mean felt wait a miss, never more than all of the
-  felt wait LRU would have had (session 44's bound, the most any eviction order could save).
+  felt wait LRU would have had (session 44's bound, the most any eviction order could save);
+  at one token cycle from the :data:`REFRESH_SETTLED`-th.
   When the ranking has cost more than that, and more than :data:`MATERIAL_SHARE` of the
   decode's time, it retires for good: to LRU's order at one token cycle, to S3-FIFO's queues
   above (``residency/_s3fifo.py``: from two cycles up they keep most of the ranking's hits at
@@ -169,12 +170,17 @@ MIN_TOKENS = 3
 differs by more than the routing's noise (``coact``'s trial waits as many pairs)."""
 
 COST_VERDICT_FROM = MIN_TOKENS
-"""Decode tokens before the cost verdict may decide: as many as the shadow's verdict waits.
-The verdict prices the ranking's lead at its likely best (plus :data:`GUARD_SIGMAS` of the
-shadow's noise), wide over a few tokens, so an early look errs toward keeping the ranking;
-until session 47 it waited :data:`REFRESH_SETTLED` tokens (the density tables' settling), and
-in the paired real runs, where it retired the ranking at token 16 every time, those tokens ran
-3-10 % slower than ``lru``'s (qwen and gemma, 1 and 4 TD, 2.25 MiB experts; session 47)."""
+"""Decode tokens before the cost verdict may decide above one token cycle: as many as the
+shadow's verdict waits.  The verdict prices the ranking's lead at its likely best (plus
+:data:`GUARD_SIGMAS` of the shadow's noise), wide over a few tokens, so an early look errs
+toward keeping the ranking; there S3-FIFO, which it retires to, keeps most of the ranking's
+hits anyway.  Until session 47 it waited :data:`REFRESH_SETTLED` tokens (the density tables'
+settling): in the paired real runs at 4 TD it retired the ranking at token 16 every time, and
+from token 3 it does so at tokens 3-11, 1.001-1.005x ``lru`` against 0.995-1.000x (qwen and
+gemma, 2.25 MiB experts, two rounds).  At one token cycle it still waits
+:data:`REFRESH_SETTLED`: there it retires to LRU's order, which loses what the ranking's first
+tokens were building where it paid a little (gemma 1 TD, retired at token 3: 0.965-0.968x
+``lru`` in three paired rounds; at token 16, 0.985-0.991x; session 47)."""
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -484,7 +490,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
-            elif self._decoded >= self.cost_verdict_from and self._felt is not None:
+            elif self._felt is not None and self._decoded >= (
+                    self.cost_verdict_from if self._horizon > 1 else REFRESH_SETTLED):
                 self._judge_cost(self._felt, mine, theirs)
 
     def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:

@@ -128,16 +128,18 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
     costing 10 ms and each miss felt for 1 us, what its lead over the LRU shadow could have
     saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
-    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict); from then on, for good,
-    LRU's order at one cycle, S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the
-    ranking's hits there at LRU's cost), and the verdict gives both sides."""
-    tokens = routed_tokens(COST_VERDICT_FROM + 4)
+    :data:`COST_VERDICT_FROM` decode tokens above one cycle (as the shadow's verdict), nor
+    before :data:`REFRESH_SETTLED` at one; from then on, for good, LRU's order at one cycle,
+    S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the ranking's hits there at
+    LRU's cost), and the verdict gives both sides."""
+    at = COST_VERDICT_FROM if cycles > 1 else REFRESH_SETTLED
+    tokens = routed_tokens(at + 4)
     policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6)
     table = ResidencyTable(cycles * TD, policy)
-    drive(table, tokens[:COST_VERDICT_FROM - 1])
+    drive(table, tokens[:at - 1])
     assert policy.eviction == "density" and policy._cost_s > 0
-    drive(table, tokens[COST_VERDICT_FROM - 1:])
-    assert policy.eviction.startswith(f"{to} ({to} after {COST_VERDICT_FROM} decode tokens: the ranking cost")
+    drive(table, tokens[at - 1:])
+    assert policy.eviction.startswith(f"{to} ({to} after {at} decode tokens: the ranking cost")
     verdict = policy.cost_verdict
     assert verdict is not None and "its lead could have saved" in verdict and "LRU shadow" in verdict
     assert "plus 2 sigma" in verdict and "% of the decode's time" in verdict
