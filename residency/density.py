@@ -68,10 +68,11 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   LRU's cost; at one they lose to LRU).  Since the drives serve a layer's reads one after
   another (``inflight_bytes``, ``iosched/_scheduler.py``) a miss costs the engine 0.07-0.25 ms
   of felt wait at 2.25 MiB, and in paired real runs the ranking kept ran 0.957-0.979x ``lru``
-  at qwen 1 TD and 0.978-0.994x at 4 TD (session 46); retired at token 5, ``default`` runs
-  1.001-1.005x ``lru`` at 4 TD (S3-FIFO) and 0.983-0.997x at 1 TD (LRU), docs/benchmarks.md,
-  session 47.  Priced only at one token cycle, with the bound above it (session 46), the
-  ranking stayed at 4 TD.  Where CPU is free (the critical-path replay's ``--cpu free``) it
+  at qwen 1 TD and 0.978-0.994x at 4 TD (session 46); retired to S3-FIFO at tokens 3-11,
+  ``default`` ran at medians of 1.000 and 1.009x ``lru`` at qwen and gemma 4 TD, retired to LRU
+  at token 16, 0.983 and 0.984x at 1 TD (three paired rounds each; docs/benchmarks.md, session
+  47).  Priced only at one token cycle, with the bound above it (session 46), the ranking
+  stayed at 4 TD.  Where CPU is free (the critical-path replay's ``--cpu free``) it
   never fires, so the same inputs still give the same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
