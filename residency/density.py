@@ -164,7 +164,7 @@ order mid-run has a cost of its own (the evicted experts the new order would hav
 back as misses).  Measured on the critical path's qwen, 500 MB/s, 1 ms a layer, 4 TD cell,
 where the ranking cost 0.5 % of the time and trailed the LRU shadow within its noise: retired
 at token 26 it ran 0.965x (to LRU) and 0.969x ``lru`` (to S3-FIFO), kept 0.983x (session 47).
-Where it retires in the real runs it cost 2-3 % (qwen and gemma, 1 and 4 TD, 2.25 MiB)."""
+Where it retires in the real runs it cost 2-4 % (qwen and gemma, 1 and 4 TD, 2.25 MiB)."""
 
 MIN_TOKENS = 3
 """Decode tokens before the guard may decide: the fewest over which a count of misses
@@ -340,7 +340,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     @property
     def eviction(self) -> str:
-        """``density``, or ``lru`` and why (``stats()["policy_verdict"]`` carries it too)."""
+        """``density``, or ``lru`` or ``s3fifo`` and why (``stats()["policy_verdict"]`` carries it
+        too)."""
         if not self._lru:
             return "density"
         return f"s3fifo ({self._lru_reason})" if self._s3 is not None else f"lru ({self._lru_reason})"
