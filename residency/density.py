@@ -236,6 +236,9 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         self._ahead: F64 = np.zeros((0, 0))
         """``[cur, p]``: layer steps from a batch at position ``cur`` to position ``p``'s next
         visit (``L`` for ``cur`` itself)."""
+        self._cycle_bytes = 0
+        """One token cycle's bytes (``ModelShape.token_cycle_bytes``): the horizon's unit and
+        S3-FIFO's probation."""
         self._uniform = True
         """Every layer's experts have the same bytes: the density's size factor is left out
         (a constant: the order, which is all a ranking uses, stays)."""
@@ -296,6 +299,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
     def set_shape(self, shape: ModelShape) -> None:
         super().set_shape(shape)
         L, E = self._L, self._E
+        self._cycle_bytes = shape.token_cycle_bytes
         self._dv = np.zeros(L, dtype=np.int64)
         self._last = np.full((L, E), -AGE_MAX, dtype=np.int64)
         self._count = np.zeros((L, E))
@@ -323,7 +327,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         evicted (the budget holds every expert of the model)."""
         if not self._L or self._budget is None:
             return
-        cycle = self._k * sum(self._expert_bytes)
+        cycle = self._cycle_bytes
         self._horizon = max(1, min(AGE_MAX - 1, round(self._budget / cycle)))
         self._rerank = min(self._horizon, RERANK_MAX)
         self._refresh()
@@ -537,7 +541,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         """The ranking retired for its cost above one token cycle: S3-FIFO's queues evict from
         here (``residency/_s3fifo.py``), the resident keys starting in main, LRU's order."""
         self._to_lru(reason)
-        self._s3 = S3Fifo(self._k * sum(self._expert_bytes), ((key, self._bytes[key]) for key in self._order))
+        self._s3 = S3Fifo(self._cycle_bytes, ((key, self._bytes[key]) for key in self._order))
 
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
         """A prompt's router rows: ``coact``'s learning, and each row one visit of the
