@@ -42,7 +42,8 @@ Constants: the stale victims' reuse memory (:data:`REUSE_MEMORY`) is structural,
 ``moe``'s horizon; chance (``k / E``) comes from the shape.  Nothing is fitted to a trace.
 
 Invariants (:meth:`check`): the order holds exactly the table's admitted keys with a last use
-never after its layer's visits; the held bytes are theirs; the estimates are probabilities.
+never after its layer's visits; the held bytes are theirs; the estimates are probabilities;
+the membership hooks are LRU's own exactly when retired and handed over (:meth:`_hand_over`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ from ._policy import (
     RoutingAware,
     ShapeAware,
 )
+from .lru import LRUPolicy
+
+_LRU_HOOKS = ("on_request", "on_insert", "on_remove", "victims")
+"""The membership hooks a retired policy hands to LRU's own (:meth:`CoactPolicy._hand_over`)."""
 
 REUSE_MEMORY = 100
 """Evictions the stale victims' reuse estimate spans (decay 1 - 1/100), as ``moe``'s horizon:
@@ -134,6 +139,9 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """Resident keys, oldest use first, and their layer's visit count at that use."""
         self._bytes: dict[Key, int] = {}
         self._held = 0
+        self._handed = False
+        """Whether the membership hooks are LRU's own (:meth:`_hand_over`): then the order's
+        values are the keys' bytes, and ``_bytes`` and ``_held`` are not kept."""
         self._resident_in: list[int] = []
         """Per layer position: how many of its experts are resident."""
         self._budget: int | None = None
@@ -514,6 +522,30 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._batch, self._batch_pos = [], -1
         self._ghosts.clear()
         self._proposed.clear()
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Retired, this policy is LRU's order and nothing else: its membership hooks become
+        :class:`LRUPolicy`'s own, over this very order (its values each key's bytes from
+        here), bound on the instance, where the table and the store look them up on each
+        call; :meth:`_unretire` takes them back.  Why: even at its fewest (a check of
+        ``_retired``, the held bytes, a subclass's layer above) the retired hooks cost a hit
+        2.2x and a miss's insert and eviction 3x what LRU's do (225 against 109 ns, 579
+        against 190, one core of the 2-core VM, a tight loop; 1.2x the whole request in the
+        hit-rate replay, qwen 1 TD), and in paired real runs at one token cycle ``density``
+        retired from the start ran 0.995 and 0.996x ``lru`` where a second ``lru`` ran
+        1.000 (medians of 9 rounds, qwen and gemma, session 48, docs/residency-notebook.md).
+        A guess still resident is forgotten (neither used nor wasted for :attr:`calibration`):
+        a retired policy resolves no guess."""
+        order = self._order
+        for key in order:
+            order[key] = self._bytes[key]  # (an existing key keeps its place)
+        self._bytes, self._held = {}, 0
+        self._guesses.clear()
+        lru = LRUPolicy(order)
+        for name in _LRU_HOOKS:
+            setattr(self, name, getattr(lru, name))
+        self._handed = True
 
     def _unretire(self) -> None:
         """The engine passes its lookahead after all (:meth:`on_expect`): the bookkeeping a
@@ -522,6 +554,12 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         session 45) is rebuilt.  Each resident expert counts as used at its layer's last
         visit: fresh, so that the guard keeps a guess from displacing it."""
         self._retired = False
+        if self._handed:  # LRU's hooks give the membership back, the bytes kept in the order
+            for name in _LRU_HOOKS:
+                del self.__dict__[name]
+            self._handed = False
+            self._bytes = dict(self._order)
+            self._held = sum(self._bytes.values())
         visits, resident_in = self._visits, [0] * self._L
         for key in self._order:
             p = self._pos_of(key)
@@ -755,8 +793,12 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
 
     def check(self, keys: set[Key]) -> None:
         require(set(self._order) == keys, "coact: the LRU order does not track the resident set")
-        require(set(self._bytes) == keys and self._held == sum(self._bytes.values()),
+        require(self._handed or (set(self._bytes) == keys and self._held == sum(self._bytes.values())),
                 "coact: the held bytes do not track the resident set")
+        require(self._handed == all(name in self.__dict__ for name in _LRU_HOOKS)
+                and (self._handed or not any(name in self.__dict__ for name in _LRU_HOOKS)),
+                "coact: the membership hooks are LRU's if and only if handed over")
+        require(not self._handed or self._retired, "coact: hooks handed to LRU's while not retired")
         if not self._retired:  # (retired, the membership hooks keep only the order and the bytes)
             per_layer = [0] * self._L
             for key, used in self._order.items():

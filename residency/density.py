@@ -526,10 +526,12 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             else:
                 self._to_s3(f"s3fifo {why}")
 
-    def _to_lru(self, reason: str, overruled: bool = True) -> None:
+    def _to_lru(self, reason: str, overruled: bool = True, s3: bool = False) -> None:
+        """The ranking retires for good: LRU's order evicts from here, or with ``s3`` S3-FIFO's
+        queues (:meth:`_to_s3`); where the prefetch is off too, ``coact`` retires."""
         self._lru, self._lru_reason = True, reason
         self._overruled = overruled
-        self._s3 = None
+        self._s3 = S3Fifo(self._cycle_bytes, ((key, self._bytes[key]) for key in self._order)) if s3 else None
         self._shadow.clear()
         self._shadow_held = 0
         self._pending = []
@@ -540,8 +542,12 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
     def _to_s3(self, reason: str) -> None:
         """The ranking retired for its cost above one token cycle: S3-FIFO's queues evict from
         here (``residency/_s3fifo.py``), the resident keys starting in main, LRU's order."""
-        self._to_lru(reason)
-        self._s3 = S3Fifo(self._cycle_bytes, ((key, self._bytes[key]) for key in self._order))
+        self._to_lru(reason, s3=True)
+
+    def _hand_over(self) -> None:
+        """LRU's own hooks only where LRU's order evicts: S3-FIFO's queues need this policy's."""
+        if self._s3 is None:
+            super()._hand_over()
 
     def on_routing(self, layer: int, rows: npt.NDArray[np.int64]) -> None:
         """A prompt's router rows: ``coact``'s learning, and each row one visit of the

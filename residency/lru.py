@@ -20,8 +20,11 @@ class LRUPolicy:
     name: ClassVar[str] = "lru"
     capabilities: ClassVar[Capability] = Capability.NONE
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[Key, int] = OrderedDict()
+    def __init__(self, order: OrderedDict[Key, int] | None = None) -> None:
+        """``order``: resident keys, least recently requested first, each with its bytes,
+        taken over (not copied): how a retired policy hands its keys to LRU's own hooks
+        (``residency/coact.py``, ``_hand_over``)."""
+        self._order: OrderedDict[Key, int] = OrderedDict() if order is None else order
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:
         if hit and key in self._order:

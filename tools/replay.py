@@ -411,7 +411,6 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
     first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
     token_prefetch = 0
     get, reserve, publish, remove = table.get, table.reserve, table.publish, table.remove
-    on_request = policy.on_request
     on_routing = hooks.on_routing
     routing = reqs.routing if on_routing is not None else {}
     keys, sizes, batch_end = reqs.keys, reqs.sizes, reqs.batch_end
@@ -447,7 +446,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                 key, nbytes = keys[i], sizes[i]
                 hit = get(key) is not None
                 flags[i] = hit
-                on_request(key, nbytes, hit)
+                policy.on_request(key, nbytes, hit)  # (looked up each time: a retired policy hands it over)
                 if hit:
                     if key in unused:
                         unused.discard(key)
