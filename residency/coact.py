@@ -531,10 +531,12 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         call; :meth:`_unretire` takes them back.  Why: even at its fewest (a check of
         ``_retired``, the held bytes, a subclass's layer above) the retired hooks cost a hit
         2.2x and a miss's insert and eviction 3x what LRU's do (225 against 109 ns, 579
-        against 190, one core of the 2-core VM, a tight loop; 1.2x the whole request in the
+        against 190, one core of the 2-core VM, a tight loop; 1.4x the whole request in the
         hit-rate replay, qwen 1 TD), and in paired real runs at one token cycle ``density``
         retired from the start ran 0.995 and 0.996x ``lru`` where a second ``lru`` ran
-        1.000 (medians of 9 rounds, qwen and gemma, session 48, docs/residency-notebook.md).
+        1.000 (medians of 9 rounds, qwen and gemma, session 48, docs/residency-notebook.md);
+        with LRU's own hooks, 1.002 and 1.000x, its loop CPU ``lru``'s within 0.3 ms a token
+        (three rounds, beside a second ``lru``'s 1.002 and 0.993x).
         A guess still resident is forgotten (neither used nor wasted for :attr:`calibration`):
         a retired policy resolves no guess."""
         order = self._order

@@ -71,9 +71,12 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   at qwen 1 TD and 0.978-0.994x at 4 TD (session 46); retired to S3-FIFO at tokens 3-11,
   ``default`` ran at medians of 1.000 and 1.009x ``lru`` at qwen and gemma 4 TD, retired to LRU
   at token 16, 0.983 and 0.984x at 1 TD (three paired rounds each; docs/benchmarks.md, session
-  47).  Priced only at one token cycle, with the bound above it (session 46), the ranking
-  stayed at 4 TD.  Where CPU is free (the critical-path replay's ``--cpu free``) it
-  never fires, so the same inputs still give the same numbers.
+  47); retired, with LRU's own hooks (``coact``'s ``_hand_over``), 0.996 and 1.006x at 4 TD,
+  0.988 and 0.992x at 1 TD, where tokens 16-128 ran at ``lru``'s time and the first 16 (the
+  ranking on trial) at 0.947-1.017x (session 48).  Priced only at one token cycle, with the
+  bound above it (session 46), the ranking stayed at 4 TD.  Where CPU is free (the
+  critical-path replay's ``--cpu free``) it never fires, so the same inputs still give the
+  same numbers.
 - **Where it cannot matter** (a budget that holds the whole model: nothing is ever evicted)
   the eviction is LRU's from the start and nothing is learned, so a resident ``acquire``
   costs what ``coact``'s does.

@@ -485,14 +485,15 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
 def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:
     """In the store: a budget of one expert a layer leaves ``coact`` nothing to prefetch, its
     trial ends so, and the store stops scheduling its batch-end work (``end_batch`` answered
-    ``None``); every hit and miss is still served, with the checkpoint's bytes.  (``default``
-    keeps it: its ranking runs there, tests/test_density.py.)"""
+    ``None``) and calls LRU's own membership hooks (``_hand_over``); every hit and miss is
+    still served, with the checkpoint's bytes, and the order stays the resident set.
+    (``default`` keeps it: its ranking runs there, tests/test_density.py.)"""
     import asyncio
 
     from iosched import ExpertStore
     from tests.test_store import expected_bytes
 
-    async def main() -> tuple[dict[str, object], bool]:
+    async def main() -> tuple[dict[str, object], bool, bool]:
         async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 30) as probe:
             one = max(layout.nbytes for layout in probe.index.experts.values())
         async with await ExpertStore.open(st_checkpoint, budget_bytes=LAYERS * 2 * one, policy="coact",
@@ -506,8 +507,11 @@ def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: P
                         for key, view in zip(keys, views, strict=True):
                             assert view.data.tobytes() == expected_bytes(store.index, key)
             store.check_invariants()
-            return store.stats(), store._prefetcher.proposing
+            policy = store._table.policy
+            handed = all(getattr(policy, name).__self__.__class__ is LRUPolicy
+                         for name in ("on_request", "on_insert", "on_remove", "victims"))
+            return store.stats(), store._prefetcher.proposing, handed
 
-    stats, proposing = asyncio.run(main())
+    stats, proposing, handed = asyncio.run(main())
     assert "admitted no prefetch" in str(stats["policy_verdict"]), stats["policy_verdict"]
-    assert proposing is False and stats["prefetch_issued"] == 0
+    assert proposing is False and stats["prefetch_issued"] == 0 and handed
