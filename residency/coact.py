@@ -538,7 +538,9 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         with LRU's own hooks, 1.002 and 1.000x, its loop CPU ``lru``'s within 0.3 ms a token
         (three rounds, beside a second ``lru``'s 1.002 and 0.993x).
         A guess still resident is forgotten (neither used nor wasted for :attr:`calibration`):
-        a retired policy resolves no guess."""
+        a retired policy resolves no guess.  Once only: a second retirement finds it done."""
+        if self._handed:
+            return
         order = self._order
         for key in order:
             order[key] = self._bytes[key]  # (an existing key keeps its place)

@@ -481,6 +481,7 @@ def test_retired_its_hooks_are_lrus_own_and_an_engines_lookahead_rebuilds_the_re
     policy._trial, policy._prefetching, policy._verdict = None, False, "prefetch off (test)"
     policy._to_lru("lru (test)")
     assert policy._retired and policy.end_batch() is None
+    policy._retire()  # a second retirement changes nothing
     assert all(getattr(policy, name).__self__.__class__ is LRUPolicy
                for name in ("on_request", "on_insert", "on_remove", "victims"))
     twin = ResidencyTable(table.budget_bytes, LRUPolicy())  # ``lru`` with the same residents, in order
