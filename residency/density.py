@@ -72,8 +72,8 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   ``default`` ran at medians of 1.000 and 1.009x ``lru`` at qwen and gemma 4 TD, retired to LRU
   at token 16, 0.983 and 0.984x at 1 TD (three paired rounds each; docs/benchmarks.md, session
   47); retired, with LRU's own hooks (``coact``'s ``_hand_over``), 0.996 and 1.006x at 4 TD,
-  0.988 and 0.992x at 1 TD, where tokens 16-128 ran at ``lru``'s time and the first 16 (the
-  ranking on trial) at 0.947-1.017x (session 48).  Priced only at one token cycle, with the
+  0.989 and 0.991x at 1 TD (six rounds), its first 16 tokens (the ranking on trial) at
+  0.927-1.017x, the rest at 0.980-1.030x (session 48).  Priced only at one token cycle, with the
   bound above it (session 46), the ranking stayed at 4 TD.  Where CPU is free (the
   critical-path replay's ``--cpu free``) it never fires, so the same inputs still give the
   same numbers.
