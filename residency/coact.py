@@ -139,9 +139,6 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """Resident keys, oldest use first, and their layer's visit count at that use."""
         self._bytes: dict[Key, int] = {}
         self._held = 0
-        self._handed = False
-        """Whether the membership hooks are LRU's own (:meth:`_hand_over`): then the order's
-        values are the keys' bytes, and ``_bytes`` and ``_held`` are not kept."""
         self._resident_in: list[int] = []
         """Per layer position: how many of its experts are resident."""
         self._budget: int | None = None
@@ -549,7 +546,13 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         lru = LRUPolicy(order)
         for name in _LRU_HOOKS:
             setattr(self, name, getattr(lru, name))
-        self._handed = True
+
+    @property
+    def _handed(self) -> bool:
+        """Whether the membership hooks are LRU's own (:meth:`_hand_over`), bound on the
+        instance: then the order's values are the keys' bytes, and ``_bytes`` and ``_held``
+        are not kept."""
+        return _LRU_HOOKS[0] in self.__dict__
 
     def _unretire(self) -> None:
         """The engine passes its lookahead after all (:meth:`on_expect`): the bookkeeping a
@@ -561,7 +564,6 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         if self._handed:  # LRU's hooks give the membership back, the bytes kept in the order
             for name in _LRU_HOOKS:
                 del self.__dict__[name]
-            self._handed = False
             self._bytes = dict(self._order)
             self._held = sum(self._bytes.values())
         visits, resident_in = self._visits, [0] * self._L
@@ -799,9 +801,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         require(set(self._order) == keys, "coact: the LRU order does not track the resident set")
         require(self._handed or (set(self._bytes) == keys and self._held == sum(self._bytes.values())),
                 "coact: the held bytes do not track the resident set")
-        require(self._handed == all(name in self.__dict__ for name in _LRU_HOOKS)
-                and (self._handed or not any(name in self.__dict__ for name in _LRU_HOOKS)),
-                "coact: the membership hooks are LRU's if and only if handed over")
+        bound = [name in self.__dict__ for name in _LRU_HOOKS]
+        require(all(bound) or not any(bound), "coact: some membership hooks are LRU's, some not")
         require(not self._handed or self._retired, "coact: hooks handed to LRU's while not retired")
         if not self._retired:  # (retired, the membership hooks keep only the order and the bytes)
             per_layer = [0] * self._L

@@ -14,7 +14,7 @@ from iosched import StoreError
 from iosched._errors import InvariantError
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._cooc import CoActivation
-from iosched.residency.coact import MIN_OFF_PAIRS, MIN_TRIAL_PAIRS, TRIAL_PAIRS, CoactPolicy
+from iosched.residency.coact import _LRU_HOOKS, MIN_OFF_PAIRS, MIN_TRIAL_PAIRS, TRIAL_PAIRS, CoactPolicy
 from iosched.residency.earned import EarnedPolicy
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
@@ -509,7 +509,7 @@ def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: P
             store.check_invariants()
             policy = store._table.policy
             handed = all(getattr(policy, name).__self__.__class__ is LRUPolicy
-                         for name in ("on_request", "on_insert", "on_remove", "victims"))
+                         for name in _LRU_HOOKS)
             return store.stats(), store._prefetcher.proposing, handed
 
     stats, proposing, handed = asyncio.run(main())

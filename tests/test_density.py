@@ -16,7 +16,7 @@ from iosched._errors import InvariantError
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
-from iosched.residency.coact import CoactPolicy
+from iosched.residency.coact import _LRU_HOOKS, CoactPolicy
 from iosched.residency.density import (
     COST_VERDICT_FROM,
     GUARD_SIGMAS,
@@ -483,7 +483,7 @@ def test_retired_its_hooks_are_lrus_own_and_an_engines_lookahead_rebuilds_the_re
     assert policy._retired and policy.end_batch() is None
     policy._retire()  # a second retirement changes nothing
     assert all(getattr(policy, name).__self__.__class__ is LRUPolicy
-               for name in ("on_request", "on_insert", "on_remove", "victims"))
+               for name in _LRU_HOOKS)
     twin = ResidencyTable(table.budget_bytes, LRUPolicy())  # ``lru`` with the same residents, in order
     for key, nbytes in policy._order.items():
         entry = twin.reserve(key, nbytes)
