@@ -205,7 +205,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._pair_off: tuple[float, float, int, int, bool] = (0.0, 0.0, 0, 0, False)
         self._verdict: str | None = None
         self._trial_admitted = 0
-        """Prefetches the guard admitted while the trial ran."""
+        """Prefetches the guard admitted while the trial ran (since :attr:`_trial_restart`)."""
+        self._trial_restart: tuple[int, str] | None = None
+        """The trial's pairs when its count of admissions started again, and why
+        (:meth:`_restart_admissions`); ``None`` if it never did."""
         self._engine_seen = False
         """Whether the engine ever passed its own lookahead (``on_expect``)."""
         self._retired = False
@@ -473,8 +476,10 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         n = len(trial)
         if not self._trial_admitted:
             # its tokens had nothing to prefetch (at one token cycle every resident expert is
-            # fresh): the trial can only measure noise, and LRU alone costs less
-            if n >= MIN_TRIAL_PAIRS:
+            # fresh): the trial can only measure noise, and LRU alone costs less.  After a
+            # restart, from the first pair wholly after it (the one in progress began before)
+            since = self._trial_restart[0] + 2 if self._trial_restart is not None else 0
+            if n >= max(MIN_TRIAL_PAIRS, since):
                 self._end_trial(False, trial, math.inf, nothing=True)
             return
         mean = sum(trial) / n
@@ -493,8 +498,9 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         self._prefetching = on
         mean, median = sum(trial) / len(trial), statistics.median(trial)
         if nothing:
+            since = f"in the pairs since {self._trial_restart[1]}" if self._trial_restart else "in them"
             self._verdict = (f"prefetch off after {len(trial)} pairs of decode tokens: the guard "
-                             "admitted no prefetch in them (nothing to prefetch at this budget)")
+                             f"admitted no prefetch {since} (nothing to prefetch at this budget)")
         else:
             self._verdict = (
                 f"prefetch {'on' if on else 'off'} after {len(trial)} pairs of decode tokens: with "
@@ -505,6 +511,22 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             self._retire()
             if self._retired:  # (``density`` keeps its ranking: it does not retire here)
                 self._verdict += "; LRU alone from here on"
+
+    def _restart_admissions(self, why: str) -> None:
+        """While the trial runs, its count of admitted prefetches starts again (``why``: the
+        eviction's order changed, so the victims the guard weighs are no longer those it
+        admitted over).  Where the guard then admits nothing in a pair wholly after this, the
+        trial ends as one with nothing to prefetch: at one token cycle under LRU's order every
+        victim is fresh (the next layer's own experts, routed one token ago) but a guess left
+        unused, and the pairs left would only measure noise.  Measured (``density`` retired to
+        LRU's order at tokens 3-6, paired real runs at 1 TD, qwen and gemma, eight rounds each,
+        session 49): restarted, the trial ended at pair 3 in 8 of 16 runs; in the others the
+        guard went on admitting (a guess displacing an unused one) and the trial ran as
+        before, to 5-8 pairs.  Not restarted, it had run to 5-8 pairs in 13 of 16 (each token
+        with the prefetch 2-8 ms slower than without; docs/residency-notebook.md)."""
+        if self._trial is not None:
+            self._trial_admitted = 0
+            self._trial_restart = (len(self._trial), why)
 
     def _retire(self) -> None:
         """The prefetch is off for good and the engine passes no lookahead: what is left of

@@ -60,8 +60,7 @@ cores; this policy keeps the ranking and nothing else, computed when a victim is
   token on, the verdict prices what the ranking's lead could have saved: the misses it had
   fewer than the LRU shadow, plus :data:`GUARD_SIGMAS` of the shadow's Poisson noise (the lead
   at its likely best), each at this policy's mean felt wait a miss, never more than all of the
-  felt wait LRU would have had (session 44's bound, the most any eviction order could save);
-  at one token cycle from the :data:`REFRESH_SETTLED`-th.
+  felt wait LRU would have had (session 44's bound, the most any eviction order could save).
   When the ranking has cost more than that, and more than :data:`MATERIAL_SHARE` of the
   decode's time, it retires for good: to LRU's order at one token cycle, to S3-FIFO's queues
   above (``residency/_s3fifo.py``: from two cycles up they keep most of the ranking's hits at
@@ -174,17 +173,21 @@ MIN_TOKENS = 3
 differs by more than the routing's noise (``coact``'s trial waits as many pairs)."""
 
 COST_VERDICT_FROM = MIN_TOKENS
-"""Decode tokens before the cost verdict may decide above one token cycle: as many as the
-shadow's verdict waits.  The verdict prices the ranking's lead at its likely best (plus
+"""Decode tokens before the cost verdict may decide, at every budget: as many as the shadow's
+verdict waits.  The verdict prices the ranking's lead at its likely best (plus
 :data:`GUARD_SIGMAS` of the shadow's noise), wide over a few tokens, so an early look errs
-toward keeping the ranking; there S3-FIFO, which it retires to, keeps most of the ranking's
-hits anyway.  Until session 47 it waited :data:`REFRESH_SETTLED` tokens (the density tables'
-settling): in the paired real runs at 4 TD it retired the ranking at token 16 every time, and
-from token 3 it does so at tokens 3-11, 1.001-1.005x ``lru`` against 0.995-1.000x (qwen and
-gemma, 2.25 MiB experts, two rounds).  At one token cycle it still waits
-:data:`REFRESH_SETTLED`: there it retires to LRU's order, which loses what the ranking's first
-tokens were building where it paid a little (gemma 1 TD, retired at token 3: 0.965-0.968x
-``lru`` in three paired rounds; at token 16, 0.985-0.991x; session 47)."""
+toward keeping the ranking.  Until session 47 it waited :data:`REFRESH_SETTLED` tokens (the
+density tables' settling): in the paired real runs at 4 TD it retired the ranking at token 16
+every time, and from token 3 it does so at tokens 3-11, 1.001-1.005x ``lru`` against
+0.995-1.000x (qwen and gemma, 2.25 MiB experts, two rounds).  At one token cycle it kept
+waiting 16 tokens until session 49 (session 47 had gemma 1 TD at 0.965-0.968x retired at token
+3, against 0.985-0.991x at token 16, but from rounds an hour apart, not paired).  Paired, eight
+rounds, arms rotated, beside a second ``lru`` (qwen and gemma, 1 TD, 2.25 MiB, O_DIRECT,
+compute in a thread, session 49): from token 3 it retired at tokens 5-6 (qwen) and 3-6 (gemma),
+medians 0.998 and 0.994x ``lru`` against 0.993 and 0.998x at token 16 and the second ``lru``'s
+1.000 and 0.997x; qwen's first 16 tokens 101 ms above ``lru``'s against 152 (medians), gemma's
++6 against -7 ms (its ranking leads by 5 % of the misses there, which is worth about what it
+costs: a wash).  One rule at every budget (docs/residency-notebook.md, session 49)."""
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -499,8 +502,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
-            elif self._felt is not None and self._decoded >= (
-                    self.cost_verdict_from if self._horizon > 1 else REFRESH_SETTLED):
+            elif self._felt is not None and self._decoded >= self.cost_verdict_from:
                 self._judge_cost(self._felt, mine, theirs)
 
     def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
@@ -534,6 +536,8 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
         queues (:meth:`_to_s3`); where the prefetch is off too, ``coact`` retires."""
         self._lru, self._lru_reason = True, reason
         self._overruled = overruled
+        if not s3:  # the guard's victims are LRU's from here: what it admitted before says nothing
+            self._restart_admissions("the eviction became LRU's")
         self._s3 = S3Fifo(self._cycle_bytes, ((key, self._bytes[key]) for key in self._order)) if s3 else None
         self._shadow.clear()
         self._shadow_held = 0

@@ -216,7 +216,8 @@ def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint:
 
 def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
                      wait_s: float = 0.0, extra_wait_s: float = 0.0,
-                     extra_miss: bool = False, admit: bool = True, prompt_s: float = 0.0) -> list[bool]:
+                     extra_miss: bool = False, admit: bool = True, prompt_s: float = 0.0,
+                   admit_until: int | None = None, restart_at: int | None = None) -> list[bool]:
     """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
     each layer's requests (all misses, ``wait_s`` each, plus ``extra_wait_s / L`` a layer when
     the token's arm prefetches: its reads in the demand reads' way), its batch end, then the
@@ -225,7 +226,10 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
     take from a compute thread).  ``extra_miss``: the tokens without prefetch find their
     second expert a layer resident (a routing that happens to miss less).  ``admit``: the
     proposals are admitted (free bytes); ``False``: none ever is.  ``prompt_s``: a prompt
-    taking that long first, whose last layer routes k experts.  The arms."""
+    taking that long first, whose last layer routes k experts.  ``admit_until``: none is
+    admitted from that token on; ``restart_at``: the trial's count of admissions starts again
+    before that token (``_restart_admissions``, as ``density`` does at the end of the token
+    before it).  The arms."""
     rng = np.random.default_rng(seed)
     clock = [0.0]
     policy.set_clock(lambda: clock[0])
@@ -241,6 +245,9 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
             policy.end_batch()
             clock[0] += prompt_s / L
     for t in range(n):
+        if t == restart_at:
+            policy._restart_admissions("the test's restart")
+        admitting = admit and (admit_until is None or t < admit_until)
         for layer in SHAPE.layers:
             policy.on_request((layer, (t + layer) % 8), UNIT, False)
             if layer == 0:
@@ -249,7 +256,7 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
             policy.on_request((layer, (t + layer + 3) % 8), UNIT, second_hits)
             misses = 1 if second_hits else 2
             clock[0] += misses * wait_s + (extra_wait_s / L if arms[-1] else 0.0)
-            for key in (policy.end_batch() or []) if admit else []:
+            for key in (policy.end_batch() or []) if admitting else []:
                 policy.admit_prefetch(key, UNIT, ())  # into free bytes, as the store would
             clock[0] += 0.0025 + float(rng.uniform(-2.5e-4, 2.5e-4)) + (extra_s / L if arms[-1] else 0.0)
     return arms
@@ -480,6 +487,24 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
     policy.check(set[Hashable](keys) - {keys[1]})  # the bookkeeping the retired hooks skipped, rebuilt
     policy.on_request(keys[3], UNIT, True)  # the next layer's batch: counted again
     assert policy._visits[1] == visits[1] + 1 and policy.end_batch() is not None
+
+
+@pytest.mark.parametrize(("restart_at", "ends_after"),
+                         [(None, TRIAL_PAIRS), (4, MIN_TRIAL_PAIRS), (5, MIN_TRIAL_PAIRS + 1)])
+def test_a_trial_restarted_ends_at_the_first_pair_after_with_nothing_admitted(
+        restart_at: int | None, ends_after: int) -> None:
+    """Prefetches admitted in the first two pairs, none from token 4 on (the guard's victims
+    became fresh: ``density`` retired to LRU's order at one token cycle).  Without a restart
+    the trial counts the early admissions and runs its pairs.  Restarted before token 4 (two
+    pairs done), it ends as one with nothing to prefetch at pair 3, the first wholly after;
+    restarted before token 5, in the middle of pair 3 (whose first token admitted), at pair
+    4, not earlier."""
+    policy = coact()
+    run_timed_tokens(policy, 2 * TRIAL_PAIRS + 2, extra_s=0.0, seed=0, admit_until=4, restart_at=restart_at)
+    verdict = str(policy.cost_verdict)
+    assert verdict.startswith(f"prefetch off after {ends_after} pairs"), verdict
+    assert ("admitted no prefetch in the pairs since the test's restart" in verdict) == (restart_at is not None)
+    assert policy._retired and policy.end_batch() is None
 
 
 def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:

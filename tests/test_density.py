@@ -128,11 +128,11 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
     costing 10 ms and each miss felt for 1 us, what its lead over the LRU shadow could have
     saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
-    :data:`COST_VERDICT_FROM` decode tokens above one cycle (as the shadow's verdict), nor
-    before :data:`REFRESH_SETTLED` at one; from then on, for good, LRU's order at one cycle,
+    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict; at one cycle too since
+    session 49); from then on, for good, LRU's order at one cycle,
     S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the ranking's hits there at
     LRU's cost), and the verdict gives both sides."""
-    at = COST_VERDICT_FROM if cycles > 1 else REFRESH_SETTLED
+    at = COST_VERDICT_FROM
     tokens = routed_tokens(at + 4)
     policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6)
     table = ResidencyTable(cycles * TD, policy)
@@ -152,6 +152,25 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
         assert policy._s3 is not None
         assert set(policy.victims()) == set(policy._order)
     table.check()
+
+
+@pytest.mark.parametrize(("cycles", "restarts"), [(1, True), (2, False)])
+def test_retired_to_lrus_order_the_trial_counts_admissions_again(cycles: int, restarts: bool) -> None:
+    """The cost verdict retires the ranking while ``coact``'s prefetch trial runs: to LRU's
+    order (one token cycle) the trial's count of admitted prefetches starts again (the guard's
+    victims are LRU's from here, where at one cycle every one is fresh); to S3-FIFO's queues
+    it goes on."""
+    policy = DensityPolicy(2)
+    policy.set_shape(SHAPE)
+    policy.set_clock(SteppingClock(0.01))
+    policy.set_felt_wait(lambda: 1e-6 * (policy._all_misses + policy._used))
+    table = ResidencyTable(cycles * TD, policy)
+    drive(table, routed_tokens(COST_VERDICT_FROM + 1))
+    assert policy.eviction.startswith("lru" if cycles == 1 else "s3fifo")
+    assert policy._trial is not None, "the trial still runs"
+    assert (policy._trial_restart is not None) == restarts
+    if restarts:
+        assert policy._trial_restart is not None and policy._trial_restart[1] == "the eviction became LRU's"
 
 
 @pytest.mark.parametrize("cycles", [1, 2])
