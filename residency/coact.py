@@ -516,14 +516,18 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         """While the trial runs, its count of admitted prefetches starts again (``why``: the
         eviction's order changed, so the victims the guard weighs are no longer those it
         admitted over).  Where the guard then admits nothing in a pair wholly after this, the
-        trial ends as one with nothing to prefetch: at one token cycle under LRU's order every
-        victim is fresh (the next layer's own experts, routed one token ago) but a guess left
-        unused, and the pairs left would only measure noise.  Measured (``density`` retired to
-        LRU's order at tokens 3-6, paired real runs at 1 TD, qwen and gemma, eight rounds each,
-        session 49): restarted, the trial ended at pair 3 in 8 of 16 runs; in the others the
-        guard went on admitting (a guess displacing an unused one) and the trial ran as
-        before, to 5-8 pairs.  Not restarted, it had run to 5-8 pairs in 13 of 16 (each token
-        with the prefetch 2-8 ms slower than without; docs/residency-notebook.md)."""
+        trial ends as one with nothing to prefetch: what it admitted over the ranking's
+        victims says nothing of LRU's, and at one token cycle under LRU's order every victim is
+        fresh but the ranking's leftovers and an unused guess.  Measured (``density`` retired
+        to LRU's order at tokens 3-6, paired real runs at 1 TD, qwen and gemma, session 49): in
+        12 of 12 runs the guard went on admitting in the pairs after the switch (over those
+        leftovers, then over unused guesses, 30 in the first token after it at qwen), so the
+        trial ran on to 3-8 pairs, as before; a laxer rule that ended it at the first pair end
+        after the switch, even one with no token after it, ended 8 of 16 at pair 3 (in the arm
+        that measured the early verdict; its share of that arm's gain not told apart,
+        docs/residency-notebook.md).  Kept because the count it restarts is the
+        trial's evidence that there is something to prefetch, and that evidence is of the
+        order that evicts."""
         if self._trial is not None:
             self._trial_admitted = 0
             self._trial_restart = (len(self._trial), why)
