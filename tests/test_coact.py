@@ -217,7 +217,7 @@ def test_store_runs_coact_and_its_prefetches_read_the_right_bytes(st_checkpoint:
 def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
                      wait_s: float = 0.0, extra_wait_s: float = 0.0,
                      extra_miss: bool = False, admit: bool = True, prompt_s: float = 0.0,
-                   admit_until: int | None = None, restart_at: int | None = None) -> list[bool]:
+                     admit_until: int | None = None, restart_at: int | None = None) -> list[bool]:
     """``n`` decode tokens through ``policy`` on a hand-moved clock, as the store drives it:
     each layer's requests (all misses, ``wait_s`` each, plus ``extra_wait_s / L`` a layer when
     the token's arm prefetches: its reads in the demand reads' way), its batch end, then the

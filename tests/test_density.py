@@ -158,8 +158,8 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
 def test_retired_to_lrus_order_the_trial_counts_admissions_again(cycles: int, restarts: bool) -> None:
     """The cost verdict retires the ranking while ``coact``'s prefetch trial runs: to LRU's
     order (one token cycle) the trial's count of admitted prefetches starts again (the guard's
-    victims are LRU's from here, where at one cycle every one is fresh); to S3-FIFO's queues
-    it goes on."""
+    victims are LRU's from here: what it admitted over the ranking's says nothing of them); to
+    S3-FIFO's queues it goes on."""
     policy = DensityPolicy(2)
     policy.set_shape(SHAPE)
     policy.set_clock(SteppingClock(0.01))
