@@ -517,20 +517,47 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         eviction's order changed, so the victims the guard weighs are no longer those it
         admitted over).  Where the guard then admits nothing in a pair wholly after this, the
         trial ends as one with nothing to prefetch: what it admitted over the ranking's
-        victims says nothing of LRU's, and at one token cycle under LRU's order every victim is
-        fresh but the ranking's leftovers and an unused guess.  Measured (``density`` retired
-        to LRU's order at tokens 3-6, paired real runs at 1 TD, qwen and gemma, session 49): in
-        12 of 12 runs the guard went on admitting in the pairs after the switch (over those
-        leftovers, then over unused guesses, 30 in the first token after it at qwen), so the
-        trial ran on to 3-8 pairs, as before; a laxer rule that ended it at the first pair end
-        after the switch, even one with no token after it, ended 8 of 16 at pair 3 (in the arm
-        that measured the early verdict; its share of that arm's gain not told apart,
-        docs/residency-notebook.md).  Kept because the count it restarts is the
-        trial's evidence that there is something to prefetch, and that evidence is of the
-        order that evicts."""
+        victims says nothing of LRU's.  ``density`` calls it when its eviction turns to LRU's
+        order above one token cycle of budget (the shadow's overrule); at one cycle or less
+        it stops the trial instead (:meth:`_stop_trial`).  Measured at one token cycle, where
+        it was first used (``density`` retired to LRU's order at tokens 3-6, paired real runs,
+        qwen and gemma, session 49): in 12 of 12 runs the guard went on admitting in the pairs
+        after the switch (over the ranking's leftovers, which are stale, then over unused
+        guesses, 30 in the first token after it at qwen), so the trial ran on to 3-8 pairs, as
+        before (docs/residency-notebook.md).  Kept above one cycle because the count it
+        restarts is the trial's evidence that there is something to prefetch, and that
+        evidence is of the order that evicts."""
         if self._trial is not None:
             self._trial_admitted = 0
             self._trial_restart = (len(self._trial), why)
+
+    def _stop_trial(self, why: str) -> None:
+        """While the trial runs, it ends now with the prefetch off (``why``: what left the
+        guard no victim it may displace), and unless the engine passes its lookahead what is
+        left is LRU's order (:meth:`_retire`).  ``density`` calls it when its eviction turns to
+        LRU's order at a budget of one token cycle or less: there LRU's oldest experts at a
+        batch's end are the next layer's own, routed one token ago (fresh: the module
+        docstring's guard), and the guard admits only over the ranking's leftovers, unused
+        guesses and the few experts that a layer of larger ones leaves stale.  Measured
+        (paired real runs, 1 TD, 2.25 MiB experts, O_DIRECT, compute in a thread, eight rounds,
+        session 50, docs/residency-notebook.md): with the count restarted instead
+        (:meth:`_restart_admissions`) the trial ran 3-8 pairs at qwen, its tokens with the
+        prefetch -12 to +20 ms beyond what their routing explains (median +8), and it ended
+        with the prefetch off, as every trial at one token cycle has, in the real runs and
+        the critical path's; stopped at the switch, qwen's first 16 tokens ran 6 ms above
+        ``lru``'s against 80 (a second ``lru``: 10), its decode at 1.000x ``lru`` against
+        0.999x (paired medians).  At gemma, whose prefetch admits fewer guesses, the first 16
+        tokens ran 18 ms above ``lru``'s either way."""
+        if self._trial is None or self._engine_seen:
+            return
+        pairs = len(self._trial)
+        self._trial = None
+        self._prefetching = False
+        self._verdict = f"prefetch off after {pairs} pairs of decode tokens: {why}"
+        self._ghosts.clear()  # no guess to weigh from here on (_guessing)
+        self._retire()
+        if self._retired:  # (``density`` retires here only once its eviction is LRU's)
+            self._verdict += "; LRU alone from here on"
 
     def _retire(self) -> None:
         """The prefetch is off for good and the engine passes no lookahead: what is left of

@@ -207,7 +207,6 @@ def _cbin_offset(count: int) -> int:
 class DensityPolicy(CoactPolicy, FeltWaitAware):
     name: ClassVar[str] = "density"
     capabilities: ClassVar[Capability] = CoactPolicy.capabilities | Capability.FELT_WAIT
-    cost_verdict_from: ClassVar[int] = COST_VERDICT_FROM
 
     def __init__(self, prefetch_width: int | None = None) -> None:
         super().__init__(prefetch_width)
@@ -502,7 +501,7 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
             if mine > theirs + GUARD_SIGMAS * math.sqrt(max(theirs, 1)):
                 self._to_lru(f"lru after {self._decoded} decode tokens: density missed {mine} "
                              f"(with its used prefetches) against the LRU shadow's {theirs}")
-            elif self._felt is not None and self._decoded >= self.cost_verdict_from:
+            elif self._felt is not None and self._decoded >= COST_VERDICT_FROM:
                 self._judge_cost(self._felt, mine, theirs)
 
     def _judge_cost(self, felt: Callable[[], float], mine: int, theirs: int) -> None:
@@ -533,16 +532,23 @@ class DensityPolicy(CoactPolicy, FeltWaitAware):
 
     def _to_lru(self, reason: str, overruled: bool = True, s3: bool = False) -> None:
         """The ranking retires for good: LRU's order evicts from here, or with ``s3`` S3-FIFO's
-        queues (:meth:`_to_s3`); where the prefetch is off too, ``coact`` retires."""
+        queues (:meth:`_to_s3`); where the prefetch is off too, ``coact`` retires.  To LRU's
+        order while ``coact``'s trial runs, at one token cycle of budget or less the trial
+        stops (``_stop_trial``: a guess could displace only fresh experts there), above it
+        counts its admissions again (``_restart_admissions``)."""
         self._lru, self._lru_reason = True, reason
         self._overruled = overruled
-        if not s3:  # the guard's victims are LRU's from here: what it admitted before says nothing
-            self._restart_admissions("the eviction became LRU's")
         self._s3 = S3Fifo(self._cycle_bytes, ((key, self._bytes[key]) for key in self._order)) if s3 else None
         self._shadow.clear()
         self._shadow_held = 0
         self._pending = []
-        if (self._trial is None and not self.prefetching and not self._engine_seen
+        if not s3:  # the guard's victims are LRU's from here: what it admitted before says nothing
+            if self._budget is not None and self._budget <= self._cycle_bytes:
+                self._stop_trial("the eviction became LRU's at one token cycle of budget or less, "
+                                 "where a guess could displace only the next layer's fresh experts")
+            else:
+                self._restart_admissions("the eviction became LRU's")
+        if (not self._retired and self._trial is None and not self.prefetching and not self._engine_seen
                 and (self._verdict or not self._width)):
             super()._retire()  # the trial had turned the prefetch off (or it never ran): LRU alone from here
 

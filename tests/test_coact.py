@@ -494,7 +494,7 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
 def test_a_trial_restarted_ends_at_the_first_pair_after_with_nothing_admitted(
         restart_at: int | None, ends_after: int) -> None:
     """Prefetches admitted in the first two pairs, none from token 4 on (the guard's victims
-    became fresh: ``density`` retired to LRU's order at one token cycle).  Without a restart
+    became fresh: ``density`` turned to LRU's order above one token cycle).  Without a restart
     the trial counts the early admissions and runs its pairs.  Restarted before token 4 (two
     pairs done), it ends as one with nothing to prefetch at pair 3, the first wholly after;
     restarted before token 5, in the middle of pair 3 (whose first token admitted), at pair
@@ -505,6 +505,26 @@ def test_a_trial_restarted_ends_at_the_first_pair_after_with_nothing_admitted(
     assert verdict.startswith(f"prefetch off after {ends_after} pairs"), verdict
     assert ("admitted no prefetch in the pairs since the test's restart" in verdict) == (restart_at is not None)
     assert policy._retired and policy.end_batch() is None
+
+
+def test_a_stopped_trial_leaves_lrus_order_unless_the_engine_passes_its_lookahead() -> None:
+    """``_stop_trial`` (``density``'s turn to LRU's order at one token cycle or less): the
+    trial ends at once with the prefetch off, the verdict saying why after how many pairs, and
+    the policy retires.  Where the engine passes its lookahead the trial is left to run: the
+    engine's own estimates may still displace what the guard would not."""
+    policy = coact()
+    run_timed_tokens(policy, 3, extra_s=0.0, seed=0)
+    assert policy._trial is not None and len(policy._trial) == 1
+    policy._stop_trial("the test's reason")
+    assert policy.cost_verdict == ("prefetch off after 1 pairs of decode tokens: the test's reason; "
+                                   "LRU alone from here on")
+    assert policy._trial is None and not policy.prefetching
+    assert policy._retired and policy.end_batch() is None
+    engine = coact()
+    engine.on_expect(SHAPE.layers[1], np.full(EXPERTS, 1.0 / EXPERTS))
+    run_timed_tokens(engine, 3, extra_s=0.0, seed=0)
+    engine._stop_trial("the test's reason")
+    assert engine._trial is not None and not engine._retired and engine.cost_verdict is None
 
 
 def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:

@@ -154,23 +154,54 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     table.check()
 
 
-@pytest.mark.parametrize(("cycles", "restarts"), [(1, True), (2, False)])
-def test_retired_to_lrus_order_the_trial_counts_admissions_again(cycles: int, restarts: bool) -> None:
-    """The cost verdict retires the ranking while ``coact``'s prefetch trial runs: to LRU's
-    order (one token cycle) the trial's count of admitted prefetches starts again (the guard's
-    victims are LRU's from here: what it admitted over the ranking's says nothing of them); to
-    S3-FIFO's queues it goes on."""
+def trial_density(cycles: int) -> tuple[DensityPolicy, ResidencyTable]:
+    """``density`` (prefetch width 2) whose ranking the cost verdict retires at token
+    :data:`COST_VERDICT_FROM` while ``coact``'s prefetch trial runs (each piece of its work
+    10 ms on the clock, each miss felt for 1 us)."""
     policy = DensityPolicy(2)
     policy.set_shape(SHAPE)
     policy.set_clock(SteppingClock(0.01))
     policy.set_felt_wait(lambda: 1e-6 * (policy._all_misses + policy._used))
     table = ResidencyTable(cycles * TD, policy)
     drive(table, routed_tokens(COST_VERDICT_FROM + 1))
-    assert policy.eviction.startswith("lru" if cycles == 1 else "s3fifo")
+    return policy, table
+
+
+def test_retired_to_lrus_order_at_one_token_cycle_the_trial_stops() -> None:
+    """At one token cycle the cost verdict retires the ranking to LRU's order while the trial
+    runs: the trial stops there, the prefetch off (a guess could displace only the next
+    layer's fresh experts), the verdict says why, and what is left is LRU's own hooks."""
+    policy, table = trial_density(1)
+    assert policy.eviction.startswith("lru")
+    assert policy._trial is None and not policy.prefetching and policy._retired
+    verdict = policy.cost_verdict
+    assert verdict is not None and "the eviction became LRU's at one token cycle of budget or less" in verdict
+    assert "LRU alone from here on" in verdict and "; eviction: lru after" in verdict
+    assert policy._handed and policy.end_batch() is None
+    assert list(policy.victims()) == list(policy._order)
+    table.check()
+    drive(table, routed_tokens(2))  # LRU's hooks go on serving the table
+    table.check()
+
+
+def test_retired_to_s3fifo_the_trial_goes_on() -> None:
+    """Above one token cycle the cost verdict retires to S3-FIFO's queues: the trial goes on,
+    its count of admissions as it was."""
+    policy, _ = trial_density(2)
+    assert policy.eviction.startswith("s3fifo")
     assert policy._trial is not None, "the trial still runs"
-    assert (policy._trial_restart is not None) == restarts
-    if restarts:
-        assert policy._trial_restart is not None and policy._trial_restart[1] == "the eviction became LRU's"
+    assert policy._trial_restart is None
+
+
+def test_turned_to_lrus_order_above_one_token_cycle_the_trial_counts_admissions_again() -> None:
+    """Above one token cycle a turn to LRU's order (the shadow's overrule) leaves the trial
+    running with its count of admissions started again: the guard's victims are LRU's from
+    here, and stale ones can be among them."""
+    policy, _ = trial_density(2)
+    policy._to_lru("lru after the test's overrule")
+    assert policy._trial is not None and not policy._retired
+    assert policy._trial_restart is not None and policy._trial_restart[1] == "the eviction became LRU's"
+    assert policy._trial_admitted == 0
 
 
 @pytest.mark.parametrize("cycles", [1, 2])
