@@ -543,11 +543,12 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         session 50, docs/residency-notebook.md): with the count restarted instead
         (:meth:`_restart_admissions`) the trial ran 3-8 pairs at qwen, its tokens with the
         prefetch -12 to +20 ms beyond what their routing explains (median +8), and it ended
-        with the prefetch off, as every trial at one token cycle has, in the real runs and
-        the critical path's; stopped at the switch, qwen's first 16 tokens ran 6 ms above
-        ``lru``'s against 80 (a second ``lru``: 10), its decode at 1.000x ``lru`` against
-        0.999x (paired medians).  At gemma, whose prefetch admits fewer guesses, the first 16
-        tokens ran 18 ms above ``lru``'s either way."""
+        with the prefetch off, as did every trial at one token cycle in the real runs of
+        sessions 49-50 (46) and the critical path's 16 cells at 1 TD; stopped at the switch,
+        qwen's first 16 tokens ran 6 ms above ``lru``'s against 80 (a second ``lru``: 10), its
+        decode at 1.000x ``lru`` against 0.999x (paired medians).  At gemma, whose prefetch
+        issues about a quarter as many guesses, the first 16 tokens ran 18 ms above ``lru``'s
+        either way."""
         if self._trial is None or self._engine_seen:
             return
         pairs = len(self._trial)
