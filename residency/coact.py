@@ -494,22 +494,28 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
             self._end_trial(False, trial, se)
 
     def _end_trial(self, on: bool, trial: list[float], se: float, nothing: bool = False) -> None:
-        self._trial = None
-        self._prefetching = on
-        mean, median = sum(trial) / len(trial), statistics.median(trial)
         if nothing:
             since = f"in the pairs since {self._trial_restart[1]}" if self._trial_restart else "in them"
-            self._verdict = (f"prefetch off after {len(trial)} pairs of decode tokens: the guard "
-                             f"admitted no prefetch {since} (nothing to prefetch at this budget)")
+            verdict = (f"prefetch off after {len(trial)} pairs of decode tokens: the guard "
+                       f"admitted no prefetch {since} (nothing to prefetch at this budget)")
         else:
-            self._verdict = (
+            mean, median = sum(trial) / len(trial), statistics.median(trial)
+            verdict = (
                 f"prefetch {'on' if on else 'off'} after {len(trial)} pairs of decode tokens: with "
                 f"it a token took {mean * 1e3:+.1f} ms (median {median * 1e3:+.1f} ms) beyond what "
                 f"its routing explains (standard error {se * 1e3:.1f} ms)")
+        self._close_trial(on, verdict)
+
+    def _close_trial(self, on: bool, verdict: str) -> None:
+        """The trial is over: the prefetch ``on`` or off for good, ``verdict`` says why; off,
+        and without the engine's lookahead, the policy retires (:meth:`_retire`)."""
+        self._trial = None
+        self._prefetching = on
+        self._verdict = verdict
         if not on and not self._engine_seen:
             self._ghosts.clear()  # no guess to weigh from here on (_guessing)
             self._retire()
-            if self._retired:  # (``density`` keeps its ranking: it does not retire here)
+            if self._retired:  # (``density`` retires only once its eviction is LRU's)
                 self._verdict += "; LRU alone from here on"
 
     def _restart_admissions(self, why: str) -> None:
@@ -549,16 +555,8 @@ class CoactPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingAwa
         decode at 1.000x ``lru`` against 0.999x (paired medians).  At gemma, whose prefetch
         issues about a quarter as many guesses, the first 16 tokens ran 18 ms above ``lru``'s
         either way."""
-        if self._trial is None or self._engine_seen:
-            return
-        pairs = len(self._trial)
-        self._trial = None
-        self._prefetching = False
-        self._verdict = f"prefetch off after {pairs} pairs of decode tokens: {why}"
-        self._ghosts.clear()  # no guess to weigh from here on (_guessing)
-        self._retire()
-        if self._retired:  # (``density`` retires here only once its eviction is LRU's)
-            self._verdict += "; LRU alone from here on"
+        if self._trial is not None and not self._engine_seen:
+            self._close_trial(False, f"prefetch off after {len(self._trial)} pairs of decode tokens: {why}")
 
     def _retire(self) -> None:
         """The prefetch is off for good and the engine passes no lookahead: what is left of

@@ -114,10 +114,10 @@ class SteppingClock:
         return self.t
 
 
-def costed_density(budget: int, step: float, felt_per_miss: float) -> DensityPolicy:
-    """``density`` told a clock that moves ``step`` a read and a felt wait of
-    ``felt_per_miss`` seconds for each of its misses so far."""
-    policy, _ = density(budget)
+def costed_density(budget: int, step: float, felt_per_miss: float, width: int | None = 0) -> DensityPolicy:
+    """``density`` (prefetch width ``width``) told a clock that moves ``step`` a read and a
+    felt wait of ``felt_per_miss`` seconds for each of its misses so far."""
+    policy, _ = density(budget, width)
     policy.set_clock(SteppingClock(step))
     policy.set_felt_wait(lambda: felt_per_miss * (policy._all_misses + policy._used))
     return policy
@@ -158,10 +158,7 @@ def trial_density(cycles: int) -> tuple[DensityPolicy, ResidencyTable]:
     """``density`` (prefetch width 2) whose ranking the cost verdict retires at token
     :data:`COST_VERDICT_FROM` while ``coact``'s prefetch trial runs (each piece of its work
     10 ms on the clock, each miss felt for 1 us)."""
-    policy = DensityPolicy(2)
-    policy.set_shape(SHAPE)
-    policy.set_clock(SteppingClock(0.01))
-    policy.set_felt_wait(lambda: 1e-6 * (policy._all_misses + policy._used))
+    policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6, width=2)
     table = ResidencyTable(cycles * TD, policy)
     drive(table, routed_tokens(COST_VERDICT_FROM + 1))
     return policy, table
