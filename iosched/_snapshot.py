@@ -93,7 +93,10 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         backend=io.backend.name, backend_reason=described.backend_reason,
         backend_info=types.MappingProxyType({k: freeze(v) for k, v in io.backend.info().items()}),
         policy=described.policy, policy_fallback=described.policy_fallback,
-        policy_verdict=None if hooks.costed is None else hooks.costed.cost_verdict, loop=_loop_name(),
+        policy_verdict=None if hooks.costed is None else hooks.costed.cost_verdict,
+        policy_state=None if hooks.stateful is None else types.MappingProxyType(
+            {k: freeze(v) for k, v in hooks.stateful.state.as_dict().items()}),
+        loop=_loop_name(),
         routing_rows=routing_rows,
         history=None if usage is None else usage.path, history_loaded=usage is not None and usage.loaded,
         pinned_experts=0 if hooks.history is None else hooks.history.pinned_experts,

@@ -255,8 +255,12 @@ class StoreStats:
     policy_fallback: str | None
     policy_verdict: str | None
     """What a policy that times its own work concluded (``default``, ``coact``: whether its
-    trial kept the prefetch, residency/coact.py; ``earned``: when and why it left ``moe``
-    for ``coact``, residency/earned.py); ``None`` while it has concluded nothing."""
+    trial kept the prefetch, and the ranking's verdicts; ``earned``: when and why it left
+    ``moe`` for ``coact``); ``None`` while it has concluded nothing."""
+    policy_state: Mapping[str, JSONValue] | None
+    """Where a policy that changes how it decides is (``Capability.STATE``: ``default``,
+    ``coact``): ``mode``, ``why`` (its last change's reason) and ``since_token``; ``None``
+    for a policy that does not say."""
     loop: str
     routing_rows: int
     """Token rows of router output observed (``observe_routing``)."""

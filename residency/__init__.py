@@ -6,11 +6,14 @@ file) decide admission and eviction order, and declare their optional abilities
 builds one by name.  This module's names are the package's interface: the core and the
 tools import them from here, never from its private modules.
 
-Beyond these names, the package's public modules (``belady``, ``earned``, ``lfu``, ``lru``,
-``lrfu``, ``moe``, ``registry``, ``sketch``, ``wtinylfu``) are its interface too; the
-``_``-prefixed modules are
-imported from inside the package only, a contract that ``lint-imports`` checks
-(docs/design.md, "Import rules").
+The rooms: the interface (``_policy``), the driver (``_table``), the registry and the
+baseline (``lru``) here; the default policy, by parts, in ``default/``
+(docs/default-policy.md); the alternatives kept for comparison in ``alternatives/``
+(``coact``, ``moe``, ``earned``, ``lfu``, ``lrfu``, ``wtinylfu``, ``belady``, ``sketch``); the
+models of MoE routing both share (``_cooc``, ``_hazard``, ``_history``) here.  Beyond these
+names, the public modules of those packages are the interface too; the ``_``-prefixed
+modules are imported from inside their own package only, and ``default`` imports nothing of
+``alternatives``: contracts that ``lint-imports`` checks (docs/design.md, "Import rules").
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from ._policy import (
     LookaheadAware,
     ModelShape,
     Policy,
+    PolicyState,
     PrefetchGuard,
     RoutingAware,
     ShapeAware,
+    StateReporting,
     WaitCostAware,
     bind,
 )
@@ -55,10 +60,12 @@ __all__ = [
     "LRUPolicy",
     "ModelShape",
     "Policy",
+    "PolicyState",
     "PrefetchGuard",
     "ResidencyTable",
     "RoutingAware",
     "ShapeAware",
+    "StateReporting",
     "WaitCostAware",
     "bind",
     "load_history_file",

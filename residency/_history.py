@@ -8,7 +8,7 @@ file is a plain ``numpy.savez`` archive (no pickle) of the learned arrays and th
 shape; loading checks the shape and names the file and the field that do not fit.
 
 Decay: a loaded history is multiplied by :data:`HISTORY_DECAY` (one half), so each earlier
-session weighs half the one after it and the current run soon outweighs them all.
+run weighs half the one after it and the current run soon outweighs them all.
 
 Pins: an expert the history saw routed at more than half of its layer's visits (the usage
 rate over the history and the run, decayed counts over decayed visits) is *pinned*: it goes

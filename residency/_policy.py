@@ -96,6 +96,12 @@ flag               protocol                   hooks, and who calls them when
                                               so that the policy can weigh
                                               its own CPU against what the misses cost the
                                               engine (``default``'s cost verdict)
+``STATE``          :class:`StateReporting`    ``state``: a policy that changes how it decides
+                                              (``default``: its eviction and its prefetch,
+                                              each kept while it pays) says which mode it is
+                                              in, why, and since which decode token
+                                              (``stats()["policy_state"]``, the replay's
+                                              rows)
 =================  =========================  ==============================================
 """
 
@@ -144,6 +150,7 @@ class Capability(enum.Flag):
     LOOKAHEAD = enum.auto()
     COST = enum.auto()
     FELT_WAIT = enum.auto()
+    STATE = enum.auto()
 
 
 class Policy(Protocol):
@@ -256,6 +263,29 @@ class FeltWaitAware(Protocol):
         """``felt()``: the seconds the engine has spent awaiting acquires so far."""
 
 
+@dataclass(frozen=True)
+class PolicyState:
+    """Where a policy that changes how it decides is now: ``mode`` (what decides, in words),
+    ``why`` (the reason of its last change), ``since_token`` (the decode tokens it had seen
+    at that change)."""
+
+    mode: str
+    why: str
+    since_token: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "why": self.why, "since_token": self.since_token}
+
+
+@runtime_checkable
+class StateReporting(Protocol):
+    """``Capability.STATE``."""
+
+    @property
+    def state(self) -> PolicyState:
+        """Its state now."""
+
+
 @runtime_checkable
 class HistoryKeeper(Protocol):
     """``Capability.HISTORY``."""
@@ -282,6 +312,7 @@ _PROTOCOLS: tuple[tuple[Capability, type], ...] = (
     (Capability.LOOKAHEAD, LookaheadAware),
     (Capability.COST, CostAware),
     (Capability.FELT_WAIT, FeltWaitAware),
+    (Capability.STATE, StateReporting),
 )
 
 
@@ -303,6 +334,7 @@ class Hooks:
     on_expect: Callable[[int, npt.NDArray[np.float64]], None] | None = None
     costed: CostAware | None = None
     set_felt_wait: Callable[[Callable[[], float]], None] | None = None
+    stateful: StateReporting | None = None
 
     @property
     def rejects_misses(self) -> bool:
@@ -341,4 +373,5 @@ def bind(policy: Policy) -> Hooks:
         on_expect=policy.on_expect if isinstance(policy, LookaheadAware) else None,
         costed=policy if isinstance(policy, CostAware) else None,
         set_felt_wait=policy.set_felt_wait if isinstance(policy, FeltWaitAware) else None,
+        stateful=policy if isinstance(policy, StateReporting) else None,
     )

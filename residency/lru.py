@@ -1,8 +1,8 @@
 """Plain LRU: evict the least recently requested expert.
 
-The baseline every other policy is measured against.  On MoE decode it is the worst sane
-choice below one token cycle of budget (it evicts exactly the layer that comes next), which
-is why the project's default policy will differ; it stays as the reference.
+The baseline every other policy is measured against, and what the default keeps alone once
+its ranking and its prefetch retired.  On MoE decode it is the worst sane choice below one
+token cycle of budget (it evicts exactly the layer that comes next).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class LRUPolicy:
 
     def __init__(self, order: OrderedDict[Key, int] | None = None) -> None:
         """``order``: resident keys, least recently requested first, each with its bytes,
-        taken over (not copied): how a retired policy hands its keys to LRU's own hooks
-        (``residency/coact.py``, ``_hand_over``)."""
+        taken over (not copied): how the default, alone with LRU's order, keeps only that
+        (``residency/default/_default.py``)."""
         self._order: OrderedDict[Key, int] = OrderedDict() if order is None else order
 
     def on_request(self, key: Key, nbytes: int, hit: bool) -> None:

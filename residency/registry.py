@@ -7,38 +7,29 @@ from collections.abc import Callable
 from iosched._errors import StoreError
 
 from ._policy import Policy
-from .coact import CoactPolicy
-from .density import DensityPolicy
-from .earned import EarnedPolicy
-from .lfu import LFUPolicy
-from .lrfu import LRFUPolicy
+from .alternatives.coact import CoactPolicy
+from .alternatives.earned import EarnedPolicy
+from .alternatives.lfu import LFUPolicy
+from .alternatives.lrfu import LRFUPolicy
+from .alternatives.moe import MoEPolicy
+from .alternatives.wtinylfu import WTinyLFUPolicy
+from .default import DefaultPolicy
 from .lru import LRUPolicy
-from .moe import MoEPolicy
-from .wtinylfu import WTinyLFUPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
+    # the default (docs/default-policy.md): the density ranking's eviction and the next-layer
+    # prefetch, each kept while it pays, else LRU's order (or S3-FIFO's queues)
+    "default": DefaultPolicy,
+    # the name the default had while it was one policy among others: kept for old command lines
+    "density": DefaultPolicy,
     "lru": LRUPolicy,
-    # "default" is the policy that measured best where the engine feels it (docs/residency.md):
-    # density's eviction (below), which retires to LRU's order, or above one token cycle to
-    # S3-FIFO's queues (residency/_s3fifo.py), where its Python costs the engine more than its
-    # lead saves, plus coact's next-layer prefetch, turned off when it slows the engine.  It
-    # needs the model's shape (set_shape), which the store and iosched replay give it.
-    "default": DensityPolicy,
+    # the alternatives kept for comparison (residency/alternatives/, docs/residency.md)
     "coact": CoactPolicy,
-    # coact's prefetch, eviction by learned hit density under an LRU shadow that can overrule
-    # it (residency/density.py)
-    "density": DensityPolicy,
-    # the MoE-aware hit-density policy, with its co-activation prefetch (residency/moe.py)
     "moe": MoEPolicy,
-    # moe while its measured gain in felt wait exceeds its measured cost, then coact
-    # (residency/earned.py): for engines whose compute leaves the drive idle (a GPU's)
     "earned": EarnedPolicy,
-    # LFU with LRU tie-break; request counts survive eviction ("perfect" LFU, residency/lfu.py).
     "lfu": LFUPolicy,
-    # a decaying routing rate per byte, the engine's lookahead (residency/lrfu.py)
     "lrfu": LRFUPolicy,
-    # W-TinyLFU: window + probation/protected, count-min admission (residency/wtinylfu.py).
-    # It rejects misses: give its table a transient slot (tools/replay.py does).
+    # rejects misses: give its table a transient slot (tools/replay.py does)
     "wtinylfu": WTinyLFUPolicy,
 }
 

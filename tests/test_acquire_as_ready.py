@@ -210,16 +210,16 @@ async def _one_read_landed_while_computing_on_the_loop(
     the keys it got and the policy's batch ends, and ``policy_batch_ends_put_off``."""
     import time
 
-    from iosched.residency.density import DensityPolicy
+    from iosched.residency.default import DefaultPolicy
 
     events: list[object] = []
-    real = DensityPolicy.end_batch
+    real = DefaultPolicy.end_batch
 
-    def end_batch(self: DensityPolicy) -> Any:
+    def end_batch(self: DefaultPolicy) -> Any:
         events.append("end_batch")
         return real(self)
 
-    monkeypatch.setattr(DensityPolicy, "end_batch", end_batch)
+    monkeypatch.setattr(DefaultPolicy, "end_batch", end_batch)
     backend = HeldReads()
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend=backend,
                                       policy="default", experts_per_token=2 + len(held)) as store:

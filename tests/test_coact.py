@@ -1,6 +1,7 @@
-"""``coact`` (residency/coact.py): LRU's eviction plus a next-layer prefetch whose guard never
-displaces a fresh expert (the default's prefetch, residency/density.py), and ``earned``'s switch
-to it (residency/earned.py)."""
+"""``coact`` (residency/alternatives/coact.py): the default's machine without the ranking, so
+LRU's eviction plus the next-layer prefetch whose guard never displaces a fresh expert
+(residency/default/_prefetch.py) and its trial (residency/default/_trial.py); and ``earned``'s
+switch to it (residency/alternatives/earned.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,26 @@ from iosched import StoreError
 from iosched._errors import InvariantError
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
 from iosched.residency._cooc import CoActivation
-from iosched.residency.coact import _LRU_HOOKS, MIN_OFF_PAIRS, MIN_TRIAL_PAIRS, TRIAL_PAIRS, CoactPolicy
-from iosched.residency.earned import EarnedPolicy
+from iosched.residency.alternatives.coact import CoactPolicy
+from iosched.residency.alternatives.earned import EarnedPolicy
+from iosched.residency.default import MIN_OFF_PAIRS, MIN_TRIAL_PAIRS, TRIAL_PAIRS, DefaultPolicy
+from iosched.residency.default._prefetch import NextLayerPrefetch
+from iosched.residency.default._trial import PrefetchTrial
 from iosched.residency.lru import LRUPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_earned import StepClock, routed_tokens
 from tests.test_moe import SHAPE, TD, UNIT, drive, run_store_with_prefetch
+
+
+def prefetch_of(policy: DefaultPolicy) -> NextLayerPrefetch:
+    """The policy's next-layer prefetch (white box: its proposals, estimates and tables)."""
+    assert policy._prefetch is not None
+    return policy._prefetch
+
+
+def trial_of(policy: DefaultPolicy) -> PrefetchTrial:
+    assert policy._trial is not None
+    return policy._trial
 
 
 def coact(width: int | None = None, budget: int | None = None) -> CoactPolicy:
@@ -44,14 +59,15 @@ def paired_tokens(n: int, seed: int = 1) -> list[list[list[int]]]:
 
 
 def test_coact_is_named_and_declares_what_it_does() -> None:
-    assert POLICIES["coact"] is CoactPolicy and isinstance(POLICIES["default"](), CoactPolicy)
+    assert POLICIES["coact"] is CoactPolicy and isinstance(POLICIES["default"](), DefaultPolicy)
     assert POLICIES["earned"] is EarnedPolicy
     policy = make_policy("coact", prefetch_width=3)
-    assert isinstance(policy, CoactPolicy)
-    assert CoactPolicy.capabilities == (Capability.BUDGET | Capability.SHAPE | Capability.BATCHES
-                                        | Capability.PREFETCH_GUARD | Capability.ROUTING
-                                        | Capability.COST | Capability.HISTORY
-                                        | Capability.LOOKAHEAD)
+    assert isinstance(policy, CoactPolicy) and policy.eviction == "lru"
+    # the default's abilities: the felt wait is told, and read only by a ranking it does not have
+    assert CoactPolicy.capabilities == DefaultPolicy.capabilities == (
+        Capability.BUDGET | Capability.SHAPE | Capability.BATCHES | Capability.PREFETCH_GUARD
+        | Capability.ROUTING | Capability.COST | Capability.FELT_WAIT | Capability.HISTORY
+        | Capability.LOOKAHEAD | Capability.STATE)
     hooks = bind(policy)
     assert hooks.end_batch is not None and hooks.admit_prefetch is not None
     assert hooks.costed is policy
@@ -91,7 +107,7 @@ def test_it_proposes_the_learned_next_layer_and_the_proposals_hit() -> None:
     plain_later = [h for i, h in enumerate(plain) if (i // 2) % 4 != 0]
     # (measured 0.73 against 0.43: the guesses that would displace a fresh expert are refused)
     assert sum(later) / len(later) > sum(plain_later) / len(plain_later) + 0.2
-    assert policy.calibration > 0.5  # the guesses were used about as often as predicted
+    assert prefetch_of(policy).calibration > 0.5  # the guesses were used about as often as predicted
 
 
 def test_the_guard_never_displaces_a_fresh_expert() -> None:
@@ -102,7 +118,7 @@ def test_the_guard_never_displaces_a_fresh_expert() -> None:
     drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(6)], prefetch=False)
     policy.on_request((0, 0), UNIT, True)
     policy.on_request((0, 1), UNIT, True)
-    policy._proposed[(1, 5)] = (0.99, 0.99)  # a confident guess
+    prefetch_of(policy).proposed[(1, 5)] = (0.99, 0.99)  # a confident guess
     before = {e.key for e in table.entries()}
     assert table.reserve((1, 5), UNIT, speculative=True) is None
     assert {e.key for e in table.entries()} == before
@@ -110,7 +126,7 @@ def test_the_guard_never_displaces_a_fresh_expert() -> None:
     roomy = coact(budget=2 * TD)
     roomy_table = ResidencyTable(2 * TD, roomy)
     drive(roomy_table, [[[0, 1], [2, 3], [4, 5], [6, 7]] for _ in range(6)], prefetch=False)
-    roomy._proposed[(1, 5)] = (0.99, 0.99)
+    prefetch_of(roomy).proposed[(1, 5)] = (0.99, 0.99)
     assert roomy_table.reserve((1, 5), UNIT, speculative=True) is not None
 
 
@@ -121,12 +137,12 @@ def test_over_stale_victims_a_guess_must_beat_their_measured_reuse() -> None:
     # and token 2's experts are stale (their layer's last visit routed others)
     for picks in ([0, 1], [2, 3], [4, 5]):
         drive(table, [[picks] * 4], prefetch=False)
-    stale = [k for k in policy.victims()
-             if policy._order[k] < policy._visits[policy._where[k][0]]]
+    prefetch = prefetch_of(policy)
+    stale = [k for k in policy.victims() if not policy._order.fresh(k)]
     assert stale and stale == list(policy.victims())[:len(stale)]
-    policy._proposed[(1, 7)] = (policy.stale_reuse / 2, 0.01)
+    prefetch.proposed[(1, 7)] = (prefetch.stale_reuse / 2, 0.01)
     assert not policy.admit_prefetch((1, 7), UNIT, stale[:1])
-    policy._proposed[(1, 7)] = (min(1.0, policy.stale_reuse + 0.3), 0.5)
+    prefetch.proposed[(1, 7)] = (min(1.0, prefetch.stale_reuse + 0.3), 0.5)
     assert policy.admit_prefetch((1, 7), UNIT, stale[:1])
     # an expert nobody estimated takes free bytes only
     assert not policy.admit_prefetch((1, 6), UNIT, stale[:1])
@@ -138,7 +154,7 @@ def test_over_stale_victims_a_guess_must_beat_their_measured_reuse() -> None:
     assert policy.admit_prefetch((1, 5), UNIT, stale[:1])
     fresh = [k for k in policy.victims() if k not in stale][:1]
     assert not policy.admit_prefetch((1, 5), UNIT, fresh)
-    assert policy.calibration == 1.0  # the engine's guesses stay out of the calibration
+    assert prefetch.calibration == 1.0  # the engine's guesses stay out of the calibration
     policy.on_request((1, 0), UNIT, False)  # layer 1's batch begins: the estimate is spent
     assert not policy.admit_prefetch((1, 5), UNIT, stale[:1])
 
@@ -148,14 +164,14 @@ def test_a_prefetch_waits_at_the_oldest_end_until_it_is_used() -> None:
     table = ResidencyTable(2 * TD, policy)
     drive(table, [[[0, 1], [2, 3], [4, 5], [6, 7]]], prefetch=False)
     policy.on_request((0, 0), UNIT, True)
-    policy._proposed[(1, 6)] = (0.9, 0.9)
+    prefetch_of(policy).proposed[(1, 6)] = (0.9, 0.9)
     entry = table.reserve((1, 6), UNIT, speculative=True)
     assert entry is not None
     table.publish(entry)
     assert next(iter(policy.victims())) == (1, 6)  # unused: the first to go
     policy.on_request((1, 6), UNIT, True)
     assert list(policy.victims())[-1] == (1, 6)  # used: the newest
-    assert policy.calibration == pytest.approx((1 + 1) / (0.9 + 1))
+    assert prefetch_of(policy).calibration == pytest.approx((1 + 1) / (0.9 + 1))
     table.check()
 
 
@@ -165,8 +181,7 @@ def test_prompt_rows_teach_the_pairs_and_bad_rows_are_named() -> None:
     rows1 = np.array([[4, 5], [6, 7], [4, 5]], dtype=np.int64)
     policy.on_routing(0, rows0)
     policy.on_routing(1, rows1)
-    assert policy._coact is not None
-    pi = policy._coact.predict(0, [0, 1], 2, np.full(8, 1 / 8))
+    pi = prefetch_of(policy).coact.predict(0, [0, 1], 2, np.full(8, 1 / 8))
     assert pi is not None and set(np.argsort(-pi)[:2].tolist()) == {4, 5}
     with pytest.raises(StoreError, match="layer 9"):
         policy.on_routing(9, rows0)
@@ -192,10 +207,10 @@ def test_the_default_switches_to_coact_with_moes_order_and_table() -> None:
     drive(table, tokens[:20], wait_s=1e-4)
     assert policy.switched and str(policy.cost_verdict).startswith("coact after")
     after = policy._after
-    assert after is not None and after._coact is policy._moe._coact
+    assert after is not None and prefetch_of(after).coact is policy._moe._coact
     assert set(after.victims()) == {e.key for e in table.entries()}
     drive(table, tokens[20:], wait_s=1e-4)
-    assert after._guessed_used > 0  # the learned pairing still prefetches, and hits
+    assert prefetch_of(after)._guessed_used > 0  # the learned pairing still prefetches, and hits
     table.check()
 
 
@@ -228,8 +243,8 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
     proposals are admitted (free bytes); ``False``: none ever is.  ``prompt_s``: a prompt
     taking that long first, whose last layer routes k experts.  ``admit_until``: none is
     admitted from that token on; ``restart_at``: the trial's count of admissions starts again
-    before that token (``_restart_admissions``, as ``density`` does at the end of the token
-    before it).  The arms."""
+    before that token (``PrefetchTrial.restart_admissions``, as the default does when its
+    eviction turns to LRU's above one token cycle).  The arms."""
     rng = np.random.default_rng(seed)
     clock = [0.0]
     policy.set_clock(lambda: clock[0])
@@ -246,7 +261,7 @@ def run_timed_tokens(policy: CoactPolicy, n: int, extra_s: float, seed: int = 3,
             clock[0] += prompt_s / L
     for t in range(n):
         if t == restart_at:
-            policy._restart_admissions("the test's restart")
+            trial_of(policy).restart_admissions("the test's restart")
         admitting = admit and (admit_until is None or t < admit_until)
         for layer in SHAPE.layers:
             policy.on_request((layer, (t + layer) % 8), UNIT, False)
@@ -316,17 +331,18 @@ def test_once_no_guess_can_be_admitted_no_stale_victim_is_remembered() -> None:
     """The stale victims' reuse is the guard's measure, and the guard weighs only guesses:
     ``density`` keeps its ranking after the trial turned the prefetch off, and then stops
     remembering stale victims, until the engine passes its own lookahead."""
-    policy = make_policy("density")
-    assert isinstance(policy, CoactPolicy)
+    policy = make_policy("default")
+    assert isinstance(policy, DefaultPolicy)
     policy.set_shape(SHAPE)
     table = ResidencyTable(TD, policy)
     drive(table, routed_tokens(6))
-    assert policy._guessing and policy._ghosts  # the prefetch on: stale evictions counted
-    policy._end_trial(False, [0.01, 0.02, 0.01], 0.005)
-    assert not policy._guessing and not policy._ghosts
-    assert policy.end_batch() is not None  # the ranking goes on (not retired)
+    ghosts = prefetch_of(policy).ghosts
+    assert policy._guessing and ghosts  # the prefetch on: stale evictions counted
+    policy._end_trial(False, "prefetch off (the test's verdict)")
+    assert not policy._guessing and not ghosts
+    assert policy.end_batch() is not None and not policy.lru_alone  # the ranking goes on
     drive(table, routed_tokens(4, seed=3))
-    assert not policy._ghosts
+    assert not ghosts
     policy.check(set(table._entries))
     policy.on_expect(SHAPE.layers[0], np.full(SHAPE.n_expert, 0.5))
     assert policy._guessing
@@ -351,7 +367,7 @@ def test_a_token_whose_batch_ends_did_not_run_prices_no_miss() -> None:
                 clock[0] += 0.001
                 policy.end_batch()
             elif on:  # a used prefetch (a hit): no await, no batch-end work
-                policy._proposed[second] = (0.5, 0.5)
+                prefetch_of(policy).proposed[second] = (0.5, 0.5)
                 assert policy.admit_prefetch(second, UNIT, ())  # into free bytes
                 policy.on_request(second, UNIT, True)
             else:  # resident anyway
@@ -403,16 +419,16 @@ def test_a_layer_whose_last_visit_missed_nothing_is_not_predicted() -> None:
     tokens = paired_tokens(30)
     drive(table, tokens)
     # one more token whose layers all hit (they route what is resident)
-    resident = [policy._where[e.key] for e in table.entries()]
+    resident = [policy._walk.where[e.key] for e in table.entries()]
     picks = [sorted(e for (layer, e) in resident if layer == p)[:2] for p in range(4)]
     drive(table, [picks], prefetch=False)
-    assert not any(policy._missed)
+    assert not any(policy._walk.missed)
     for e in picks[0]:
         policy.on_request((0, e), UNIT, True)
     assert policy.end_batch() == []
-    assert policy._resident_in[1] < 8  # not for want of room: for want of a miss
-    policy._missed[1] = True  # as if layer 1's last visit had missed
-    assert policy._could_admit(1) or policy._held >= 3 * TD
+    assert policy._order.resident_in[1] < 8  # not for want of room: for want of a miss
+    policy._walk.missed[1] = True  # as if layer 1's last visit had missed
+    assert prefetch_of(policy)._could_admit(1, 2, 3 * TD) or policy._order.held >= 3 * TD
 
 
 def _request_token(policy: CoactPolicy, picks: list[list[int]], history_after: int | None = None) -> None:
@@ -437,10 +453,9 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
     for policy in (plain, peeked):  # the next token's first request closes the last batch
         policy.on_request((SHAPE.layers[0], 7), UNIT, False)
     for name in ("counts", "picks"):
-        assert np.array_equal(getattr(plain._coact, name), getattr(peeked._coact, name)), name
-    assert np.array_equal(plain._popular, peeked._popular)
-    assert plain._coact is not None
-    counts = plain._coact.counts
+        assert np.array_equal(getattr(prefetch_of(plain).coact, name), getattr(prefetch_of(peeked).coact, name)), name
+    assert np.array_equal(prefetch_of(plain).popular, prefetch_of(peeked).popular)
+    counts = prefetch_of(plain).coact.counts
     assert counts is not None
     expected = np.zeros_like(counts)
     for picks in tokens:
@@ -449,7 +464,8 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
                 for j in picks[p + 1]:
                     expected[p, i, j] += 1
     assert np.array_equal(counts, expected)  # and nothing from the last layer to the first
-    assert plain._popular.sum() == plain._popular.size + 2 * L * len(tokens)
+    popular = prefetch_of(plain).popular
+    assert popular.sum() == popular.size + 2 * L * len(tokens)
     # a prompt's batch (more than k experts) between two decode batches pairs nothing
     cut = coact()
     for e in tokens[0][0]:
@@ -459,8 +475,8 @@ def test_a_tokens_learning_pairs_neighbouring_layers_only_and_a_mid_token_histor
     cut.on_request((SHAPE.layers[1], 0), UNIT, False)
     cut.on_request((SHAPE.layers[1], 1), UNIT, False)
     cut.history()
-    assert cut._coact is not None and cut._coact.counts is not None
-    assert not cut._coact.counts.any()
+    cut_counts = prefetch_of(cut).coact.counts
+    assert cut_counts is not None and not cut_counts.any()
 
 
 def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> None:
@@ -480,13 +496,13 @@ def test_a_trial_with_nothing_to_prefetch_ends_early_and_leaves_lru_alone() -> N
     assert list(policy.victims()) == [*keys[1:], keys[0]]
     policy.on_remove(keys[1])
     policy.check(set[Hashable](keys) - {keys[1]})
-    visits = list(policy._visits)
+    visits = list(policy._walk.visits)
     policy.on_request(keys[2], UNIT, True)
-    assert policy._visits == visits  # retired: no batch bookkeeping
+    assert policy._walk.visits == visits  # LRU alone: no batch bookkeeping
     policy.on_expect(SHAPE.layers[1], np.full(SHAPE.n_expert, 0.5))
     policy.check(set[Hashable](keys) - {keys[1]})  # the bookkeeping the retired hooks skipped, rebuilt
     policy.on_request(keys[3], UNIT, True)  # the next layer's batch: counted again
-    assert policy._visits[1] == visits[1] + 1 and policy.end_batch() is not None
+    assert policy._walk.visits[1] == visits[1] + 1 and policy.end_batch() is not None
 
 
 @pytest.mark.parametrize(("restart_at", "ends_after"),
@@ -504,33 +520,34 @@ def test_a_trial_restarted_ends_at_the_first_pair_after_with_nothing_admitted(
     verdict = str(policy.cost_verdict)
     assert verdict.startswith(f"prefetch off after {ends_after} pairs"), verdict
     assert ("admitted no prefetch in the pairs since the test's restart" in verdict) == (restart_at is not None)
-    assert policy._retired and policy.end_batch() is None
+    assert policy.lru_alone and policy.end_batch() is None
 
 
 def test_a_stopped_trial_leaves_lrus_order_unless_the_engine_passes_its_lookahead() -> None:
-    """``_stop_trial`` (``density``'s turn to LRU's order at one token cycle or less): the
+    """``_stop_trial`` (the default's turn to LRU's order at one token cycle or less): the
     trial ends at once with the prefetch off, the verdict saying why after how many pairs, and
     the policy retires.  Where the engine passes its lookahead the trial is left to run: the
     engine's own estimates may still displace what the guard would not."""
     policy = coact()
     run_timed_tokens(policy, 3, extra_s=0.0, seed=0)
-    assert policy._trial is not None and len(policy._trial) == 1
+    assert len(trial_of(policy).pairs) == 1
     policy._stop_trial("the test's reason")
     assert policy.cost_verdict == ("prefetch off after 1 pairs of decode tokens: the test's reason; "
                                    "LRU alone from here on")
     assert policy._trial is None and not policy.prefetching
-    assert policy._retired and policy.end_batch() is None
+    assert policy.lru_alone and policy.end_batch() is None
+    assert policy.state.why.startswith("prefetch off after 1 pairs")
     engine = coact()
     engine.on_expect(SHAPE.layers[1], np.full(EXPERTS, 1.0 / EXPERTS))
     run_timed_tokens(engine, 3, extra_s=0.0, seed=0)
     engine._stop_trial("the test's reason")
-    assert engine._trial is not None and not engine._retired and engine.cost_verdict is None
+    assert engine._trial is not None and not engine.lru_alone and engine.cost_verdict is None
 
 
 def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: Path) -> None:
     """In the store: a budget of one expert a layer leaves ``coact`` nothing to prefetch, its
     trial ends so, and the store stops scheduling its batch-end work (``end_batch`` answered
-    ``None``) and calls LRU's own membership hooks (``_hand_over``); every hit and miss is
+    ``None``) and LRU's own membership hooks serve it (``LRUPolicy``); every hit and miss is
     still served, with the checkpoint's bytes, and the order stays the resident set.
     (``default`` keeps it: its ranking runs there, tests/test_density.py.)"""
     import asyncio
@@ -553,8 +570,8 @@ def test_the_store_stops_the_batch_end_work_of_a_retired_policy(st_checkpoint: P
                             assert view.data.tobytes() == expected_bytes(store.index, key)
             store.check_invariants()
             policy = store._table.policy
-            handed = all(getattr(policy, name).__self__.__class__ is LRUPolicy
-                         for name in _LRU_HOOKS)
+            assert isinstance(policy, CoactPolicy)
+            handed = policy.lru_alone and isinstance(policy._alone, LRUPolicy)
             return store.stats(), store._prefetcher.proposing, handed
 
     stats, proposing, handed = asyncio.run(main())

@@ -1,5 +1,7 @@
-"""``density`` (residency/density.py), the default: ``coact``'s prefetch, eviction by learned
-hit density, and the LRU shadow that can overrule the ranking."""
+"""The default (residency/default/): eviction by learned hit density (``_ranking.py``), the LRU
+shadow and the cost verdict that retire it (``_judge.py``), S3-FIFO after it, and the state
+machine that makes each change (``_default.py``); the prefetch and its trial are
+tests/test_coact.py's."""
 
 from __future__ import annotations
 
@@ -13,20 +15,24 @@ import pytest
 
 from iosched import ExpertStore
 from iosched._errors import InvariantError
-from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
+from iosched.residency import POLICIES, ResidencyTable, bind, make_policy
 from iosched.residency._hazard import AGE_MAX, count_bin
 from iosched.residency._policy import ModelShape
-from iosched.residency.coact import _LRU_HOOKS, CoactPolicy
-from iosched.residency.density import (
+from iosched.residency.alternatives.coact import CoactPolicy
+from iosched.residency.default import (
     COST_VERDICT_FROM,
     GUARD_SIGMAS,
     MATERIAL_SHARE,
     MIN_TOKENS,
     MISS_FIXED_BYTES,
-    REFRESH_SETTLED,
     RERANK_MAX,
-    DensityPolicy,
+    DefaultPolicy,
+    Eviction,
 )
+from iosched.residency.default._judge import RankingJudge
+from iosched.residency.default._ranking import REFRESH_SETTLED, DensityRanking
+from iosched.residency.default._s3fifo import S3Fifo
+from iosched.residency.default._trial import PrefetchTrial
 from iosched.residency.lru import LRUPolicy
 from tests._wrappers import GatedBackend
 from tests.conftest import EXPERTS, LAYERS
@@ -34,20 +40,43 @@ from tests.test_earned import routed_tokens
 from tests.test_moe import SHAPE, TD, UNIT, drive, run_store_with_prefetch
 
 
-def density(budget: int, width: int | None = 0) -> tuple[DensityPolicy, ResidencyTable]:
-    policy = DensityPolicy(width)
+def density(budget: int, width: int | None = 0) -> tuple[DefaultPolicy, ResidencyTable]:
+    policy = DefaultPolicy(width)
     policy.set_shape(SHAPE)
     return policy, ResidencyTable(budget, policy)
 
 
-def test_density_is_the_default_with_coacts_abilities() -> None:
-    assert POLICIES["default"] is DensityPolicy and POLICIES["density"] is DensityPolicy
-    assert DensityPolicy.capabilities == CoactPolicy.capabilities | Capability.FELT_WAIT
+def ranking_of(policy: DefaultPolicy) -> DensityRanking:
+    """The policy's density ranking (white box), while it evicts."""
+    assert policy._ranking is not None
+    return policy._ranking
+
+
+def judge_of(policy: DefaultPolicy) -> RankingJudge:
+    assert policy._judge is not None
+    return policy._judge
+
+
+def trial_of(policy: DefaultPolicy) -> PrefetchTrial:
+    assert policy._trial is not None
+    return policy._trial
+
+
+def s3_of(policy: DefaultPolicy) -> S3Fifo:
+    assert policy._s3 is not None
+    return policy._s3
+
+
+def test_the_default_is_named_and_declares_what_it_does() -> None:
+    assert POLICIES["default"] is DefaultPolicy and POLICIES["density"] is DefaultPolicy
+    assert DefaultPolicy.capabilities == CoactPolicy.capabilities
     policy = make_policy("default", prefetch_width=2)
-    assert isinstance(policy, DensityPolicy)
+    assert isinstance(policy, DefaultPolicy)
     hooks = bind(policy)
     assert hooks.end_batch is not None and hooks.prepare is not None and hooks.admit_prefetch is not None
-    assert hooks.set_felt_wait is not None and bind(CoactPolicy()).set_felt_wait is None
+    assert hooks.set_felt_wait is not None and hooks.costed is policy
+    policy.set_shape(SHAPE)
+    assert policy.state.mode == "density eviction, prefetch on" and policy.state.since_token == 0
 
 
 def test_below_one_cycle_it_keeps_what_lru_evicts() -> None:
@@ -93,13 +122,16 @@ def test_the_shadow_turns_the_eviction_to_lru_when_the_ranking_misses_more() -> 
     tokens = routed_tokens(MIN_TOKENS + 2)
     drive(table, tokens[:MIN_TOKENS - 1])
     assert policy.eviction == "density"
-    shadow = policy._shadow_misses  # white box: a ranking that missed this many more
-    policy._all_misses = shadow + int(GUARD_SIGMAS * np.sqrt(shadow)) + 20
+    judge = judge_of(policy)
+    shadow = judge.shadow_misses  # white box: a ranking that missed this many more
+    judge.misses = shadow + int(GUARD_SIGMAS * np.sqrt(shadow)) + 20
     drive(table, tokens[MIN_TOKENS - 1:])
     assert policy.eviction.startswith("lru (lru after")
     verdict = policy.cost_verdict
     assert verdict is not None and "LRU shadow" in verdict
-    assert list(policy.victims()) == list(policy._order)
+    assert list(policy.victims()) == list(policy._order.stamps)
+    state = policy.state
+    assert policy.eviction.startswith("lru") and state.why.startswith("lru after") and state.since_token == MIN_TOKENS
 
 
 class SteppingClock:
@@ -114,12 +146,13 @@ class SteppingClock:
         return self.t
 
 
-def costed_density(budget: int, step: float, felt_per_miss: float, width: int | None = 0) -> DensityPolicy:
-    """``density`` (prefetch width ``width``) told a clock that moves ``step`` a read and a
+def costed_density(budget: int, step: float, felt_per_miss: float, width: int | None = 0) -> DefaultPolicy:
+    """The default (prefetch width ``width``) told a clock that moves ``step`` a read and a
     felt wait of ``felt_per_miss`` seconds for each of its misses so far."""
     policy, _ = density(budget, width)
     policy.set_clock(SteppingClock(step))
-    policy.set_felt_wait(lambda: felt_per_miss * (policy._all_misses + policy._used))
+    judge = judge_of(policy)
+    policy.set_felt_wait(lambda: felt_per_miss * (judge.misses + judge.used))
     return policy
 
 
@@ -128,8 +161,8 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
     costing 10 ms and each miss felt for 1 us, what its lead over the LRU shadow could have
     saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
-    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict; at one cycle too since
-    session 49); from then on, for good, LRU's order at one cycle,
+    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict); from then on, for good,
+    LRU's order at one cycle,
     S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the ranking's hits there at
     LRU's cost), and the verdict gives both sides."""
     at = COST_VERDICT_FROM
@@ -137,27 +170,28 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6)
     table = ResidencyTable(cycles * TD, policy)
     drive(table, tokens[:at - 1])
-    assert policy.eviction == "density" and policy._cost_s > 0
+    assert policy.eviction == "density" and policy._meter.spent_s > 0
     drive(table, tokens[at - 1:])
     assert policy.eviction.startswith(f"{to} ({to} after {at} decode tokens: the ranking cost")
     verdict = policy.cost_verdict
     assert verdict is not None and "its lead could have saved" in verdict and "LRU shadow" in verdict
     assert "plus 2 sigma" in verdict and "% of the decode's time" in verdict
-    # (without a prefetch, prefetch_width 0, nothing of coact's is left either: LRU's or
-    # S3-FIFO's work alone, and no batch-end work)
-    assert policy._retired and policy.end_batch() is None
+    # (without a prefetch, prefetch_width 0, nothing else is left either: LRU's or S3-FIFO's
+    # work alone, and no batch-end work)
+    assert policy.lru_alone and policy.end_batch() is None
+    assert policy.state.mode == f"{to} alone" and policy.state.since_token == at
     if to == "lru":
-        assert policy._s3 is None and list(policy.victims()) == list(policy._order)
+        assert policy._s3 is None and list(policy.victims()) == list(policy._order.stamps)
     else:
         assert policy._s3 is not None
-        assert set(policy.victims()) == set(policy._order)
+        assert set(policy.victims()) == set(policy._order.stamps)
     table.check()
 
 
-def trial_density(cycles: int) -> tuple[DensityPolicy, ResidencyTable]:
-    """``density`` (prefetch width 2) whose ranking the cost verdict retires at token
-    :data:`COST_VERDICT_FROM` while ``coact``'s prefetch trial runs (each piece of its work
-    10 ms on the clock, each miss felt for 1 us)."""
+def trial_density(cycles: int) -> tuple[DefaultPolicy, ResidencyTable]:
+    """The default (prefetch width 2) whose ranking the cost verdict retires at token
+    :data:`COST_VERDICT_FROM` while the prefetch's trial runs (each piece of its work 10 ms on
+    the clock, each miss felt for 1 us)."""
     policy = costed_density(cycles * TD, step=0.01, felt_per_miss=1e-6, width=2)
     table = ResidencyTable(cycles * TD, policy)
     drive(table, routed_tokens(COST_VERDICT_FROM + 1))
@@ -170,12 +204,12 @@ def test_retired_to_lrus_order_at_one_token_cycle_the_trial_stops() -> None:
     layer's fresh experts), the verdict says why, and what is left is LRU's own hooks."""
     policy, table = trial_density(1)
     assert policy.eviction.startswith("lru")
-    assert policy._trial is None and not policy.prefetching and policy._retired
+    assert policy._trial is None and not policy.prefetching and policy.lru_alone
     verdict = policy.cost_verdict
     assert verdict is not None and "the eviction became LRU's at one token cycle of budget or less" in verdict
     assert "LRU alone from here on" in verdict and "; eviction: lru after" in verdict
-    assert policy._handed and policy.end_batch() is None
-    assert list(policy.victims()) == list(policy._order)
+    assert isinstance(policy._alone, LRUPolicy) and policy.end_batch() is None
+    assert list(policy.victims()) == list(policy._order.stamps)
     table.check()
     drive(table, routed_tokens(2))  # LRU's hooks go on serving the table
     table.check()
@@ -186,8 +220,7 @@ def test_retired_to_s3fifo_the_trial_goes_on() -> None:
     its count of admissions as it was."""
     policy, _ = trial_density(2)
     assert policy.eviction.startswith("s3fifo")
-    assert policy._trial is not None, "the trial still runs"
-    assert policy._trial_restart is None
+    assert trial_of(policy).restart is None, "the trial still runs, its count as it was"
 
 
 def test_turned_to_lrus_order_above_one_token_cycle_the_trial_counts_admissions_again() -> None:
@@ -195,10 +228,11 @@ def test_turned_to_lrus_order_above_one_token_cycle_the_trial_counts_admissions_
     running with its count of admissions started again: the guard's victims are LRU's from
     here, and stale ones can be among them."""
     policy, _ = trial_density(2)
-    policy._to_lru("lru after the test's overrule")
-    assert policy._trial is not None and not policy._retired
-    assert policy._trial_restart is not None and policy._trial_restart[1] == "the eviction became LRU's"
-    assert policy._trial_admitted == 0
+    policy._evict_by(Eviction.LRU, "lru after the test's overrule")
+    trial = trial_of(policy)
+    assert not policy.lru_alone
+    assert trial.restart is not None and trial.restart[1] == "the eviction became LRU's"
+    assert trial.admitted == 0
 
 
 @pytest.mark.parametrize("cycles", [1, 2])
@@ -206,8 +240,7 @@ def test_the_verdict_prices_the_lead_not_all_of_lrus_wait(cycles: int) -> None:
     """The verdict prices what the ranking's lead over the LRU shadow saved: each piece of its
     work costing 1 ms and each miss felt for 5 ms, its lead plus 2 sigma (here it trails the
     shadow by a few misses, within the noise) is worth less than it cost by token 16, though
-    all of LRU's felt wait (session 44's bound, the most any eviction could save) is worth
-    more."""
+    all of LRU's felt wait (the bound: the most any eviction could save) is worth more."""
     tokens = routed_tokens(REFRESH_SETTLED + 4)
     policy = costed_density(cycles * TD, step=1e-3, felt_per_miss=5e-3)
     drive(ResidencyTable(cycles * TD, policy), tokens)
@@ -228,12 +261,13 @@ def test_a_ranking_that_costs_less_than_a_percent_of_the_decode_stays(share: flo
     policy, _ = density(TD)
     clock = SteppingClock(1e-3)
     policy.set_clock(clock)
-    policy.set_felt_wait(lambda: 1e-9 * (policy._all_misses + policy._used))
+    judge = judge_of(policy)
+    policy.set_felt_wait(lambda: 1e-9 * (judge.misses + judge.used))
     table = ResidencyTable(TD, policy)
     for token in tokens:
-        cost = policy._cost_s
+        cost = policy._meter.spent_s
         drive(table, [token])
-        clock.t += (policy._cost_s - cost) / share  # the engine's time in this token, beside the policy's work
+        clock.t += (policy._meter.spent_s - cost) / share  # the engine's time in this token, beside the policy's work
     assert (policy.eviction == "density") == (share < MATERIAL_SHARE)
 
 
@@ -245,8 +279,7 @@ def test_after_the_ranking_s3fifo_evicts_and_keeps_its_invariants() -> None:
     policy = costed_density(2 * TD, step=0.01, felt_per_miss=1e-6)
     table = ResidencyTable(2 * TD, policy)
     drive(table, tokens[:REFRESH_SETTLED + 1])
-    s3 = policy._s3
-    assert s3 is not None
+    s3 = s3_of(policy)
     for token in tokens[REFRESH_SETTLED + 1:]:
         drive(table, [token])
         table.check()
@@ -266,7 +299,7 @@ def test_s3fifo_turns_to_lru_when_the_budget_falls_below_two_token_cycles() -> N
         assert policy._s3 is not None
         policy.set_budget(budget)
         assert policy._s3 is None and policy.eviction.startswith(saying)
-        assert list(policy.victims()) == list(policy._order)
+        assert list(policy.victims()) == list(policy._order.stamps)
 
 
 @pytest.mark.parametrize(("step", "felt_per_miss"), [(0.0, 1e-6), (1e-6, 1.0)])
@@ -296,7 +329,7 @@ def test_the_store_hands_the_default_its_felt_wait_less_its_own_work(st_checkpoi
         async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, policy="default",
                                           experts_per_token=2, backend=backend) as store:
             policy = store._table.policy
-            assert isinstance(policy, DensityPolicy) and policy._felt is not None
+            assert isinstance(policy, DefaultPolicy) and policy._felt is not None
             prefetcher = store._prefetcher
             for layer in (0, 1, 0):
                 if not engine_waits:
@@ -335,40 +368,42 @@ def test_a_ranking_no_worse_than_lru_is_not_overruled() -> None:
 
 
 def test_a_budget_that_holds_the_model_ranks_nothing() -> None:
-    """Nothing is ever evicted: the eviction is LRU's from the start, nothing is learned (a
+    """Nothing is ever evicted: the eviction is LRU's from the start, nothing is ranked (a
     resident acquire costs ``coact``'s), and no verdict claims an overruling."""
     whole = SHAPE.n_expert * sum(SHAPE.expert_bytes.values())
     policy, table = density(whole)
     drive(table, routed_tokens(5))
     assert policy.eviction.startswith("lru (the budget holds every expert")
-    assert int(policy._dv.sum()) == 0
-    assert policy.cost_verdict is None
+    assert policy._ranking is None and policy._judge is None
+    assert policy.cost_verdict is None and policy.state.since_token == 0
 
 
 def test_prompt_rows_are_visits_of_their_layer() -> None:
     """``on_routing``: each row of a prompt is one visit (ages and counts move, the hazard
     table learns), and the prompt's own batch then adds no visit of its own."""
     policy, table = density(TD)
+    ranking = ranking_of(policy)
     rows = np.array([[0, 1], [0, 2], [0, 3]], dtype=np.int64)
-    before = policy._hz.exposed.sum()
+    before = ranking._hz.exposed.sum()
     policy.on_routing(0, rows)
-    assert int(policy._dv[0]) == 3
-    assert policy._count[0, 0] == 3 and policy._count[0, 3] == 1
-    assert policy._hz.exposed.sum() == before + 3 * SHAPE.n_expert  # every expert, every row
+    assert int(ranking.dv[0]) == 3
+    assert ranking._count[0, 0] == 3 and ranking._count[0, 3] == 1
+    assert ranking._hz.exposed.sum() == before + 3 * SHAPE.n_expert  # every expert, every row
     drive(table, [[[0, 1, 2, 3], [0], [0], [0]]])  # the prompt's batch of layer 0 (> k)
-    assert int(policy._dv[0]) == 3
+    assert int(ranking.dv[0]) == 3
 
 
-def _count_rankings(policy: DensityPolicy) -> list[int]:
-    """The positions ``policy`` ranks for from now on (its ``_densities``, counted)."""
+def _count_rankings(policy: DefaultPolicy) -> list[int]:
+    """The positions ``policy`` ranks for from now on (its ranking's ``_rank``, counted)."""
     calls: list[int] = []
-    real = policy._densities
+    ranking = ranking_of(policy)
+    real = ranking._rank
 
-    def counting(cur: int) -> tuple[np.ndarray, np.ndarray]:
+    def counting(cur: int, epoch: int) -> None:
         calls.append(cur)
-        return real(cur)
+        real(cur, epoch)
 
-    policy._densities = counting  # type: ignore[method-assign]
+    ranking._rank = counting  # type: ignore[method-assign]
     return calls
 
 
@@ -387,7 +422,7 @@ def test_prepare_ranks_the_next_batch_so_its_misses_find_it_ranked() -> None:
     assert calls == [1]  # layer 1's miss used it
 
 
-def _batch_end(policy: DensityPolicy, table: ResidencyTable, layer: int, experts: list[int]) -> None:
+def _batch_end(policy: DefaultPolicy, table: ResidencyTable, layer: int, experts: list[int]) -> None:
     """One decode batch as the store plays it: its requests (misses loaded), then the batch-end
     work (``end_batch``, ``prepare``)."""
     for e in experts:
@@ -411,10 +446,10 @@ WIDE = ModelShape(layers=(0, 1, 2, 3), n_expert=32, experts_per_token=2,
 def test_one_ranking_serves_as_many_batches_as_the_horizon_allows(cycles: int, serves: int) -> None:
     """At one token cycle every batch ranks afresh; at ``h`` cycles a ranking serves ``h``
     batches, at most :data:`RERANK_MAX` (fewer numpy calls on the loop, the same hits)."""
-    policy = DensityPolicy(0)
+    policy = DefaultPolicy(0)
     policy.set_shape(WIDE)
     table = ResidencyTable(cycles * WIDE.token_cycle_bytes, policy)
-    assert policy._rerank == serves
+    assert ranking_of(policy)._rerank == serves
     rng = np.random.default_rng(5)
     tokens = [[rng.choice(32, size=2, replace=False).tolist() for _ in range(4)] for _ in range(40)]
     drive(table, tokens)
@@ -431,42 +466,44 @@ def test_a_ranking_serves_its_own_batch_or_the_few_after_it_and_never_a_stale_on
     """At one token cycle a ranking serves only the batch it was made for, not the same layer
     a token later (its ages are a token old then); above, the ``_rerank`` batches from it."""
     policy, _ = density(TD)
-    policy._rank_epoch, policy._rank_pos = 5, 2
-    policy._rerank = 1
-    assert policy._ranking_serves(5, 2)
-    assert not policy._ranking_serves(5 + len(SHAPE.layers), 2)  # a token later, same layer
-    assert not policy._ranking_serves(6, 3) and not policy._ranking_serves(4, 2)
-    policy._rerank = 2
-    assert policy._ranking_serves(5, 2) and policy._ranking_serves(6, 3)
-    assert not policy._ranking_serves(7, 0) and not policy._ranking_serves(4, 1)
-    policy._rank_epoch = -1
-    assert not policy._ranking_serves(5, 2)
+    ranking = ranking_of(policy)
+    ranking._rank_epoch, ranking._rank_pos = 5, 2
+    ranking._rerank = 1
+    assert ranking._serves(5, 2)
+    assert not ranking._serves(5 + len(SHAPE.layers), 2)  # a token later, same layer
+    assert not ranking._serves(6, 3) and not ranking._serves(4, 2)
+    ranking._rerank = 2
+    assert ranking._serves(5, 2) and ranking._serves(6, 3)
+    assert not ranking._serves(7, 0) and not ranking._serves(4, 1)
+    ranking._rank_epoch = -1
+    assert not ranking._serves(5, 2)
 
 
 def test_an_expert_routed_since_the_ranking_is_offered_after_it() -> None:
     """A ranking that serves several batches placed an expert by its density when it was
     made; routed since, that place is stale (its age is 0 now), so it is offered only after
     every expert the ranking still places, and every resident expert is still offered once."""
-    policy = DensityPolicy(0)
+    policy = DefaultPolicy(0)
     policy.set_shape(WIDE)
     table = ResidencyTable(4 * WIDE.token_cycle_bytes, policy)
     rng = np.random.default_rng(7)
     drive(table, [[rng.choice(32, size=2, replace=False).tolist() for _ in range(4)] for _ in range(40)])
-    assert policy._rerank == RERANK_MAX
-    policy._rank_epoch = -1  # rank afresh, for the batch at hand
+    ranking = ranking_of(policy)
+    assert ranking._rerank == RERANK_MAX
+    ranking._rank_epoch = -1  # rank afresh, for the batch at hand
     key = next(iter(policy.victims()))  # its lowest density
     assert isinstance(key, tuple)
     layer = key[0]
-    if policy._batch_pos == layer:  # a batch of another layer between
+    if policy._walk.batch_pos == layer:  # a batch of another layer between
         other = (layer + 1) % 4
         policy.on_request((other, 0), UNIT, table.get((other, 0)) is not None)
         assert policy.end_batch() is not None
     policy.on_request(key, UNIT, True)  # a later batch routes it: a hit
     assert policy.end_batch() is not None  # its visit: age 0, one use more
-    assert policy._ranking_serves(policy._epoch, layer)  # the ranking made a batch ago still serves this one
+    assert ranking._serves(ranking.epoch, layer)  # the ranking made a batch ago still serves this one
     order = list(policy.victims())
     assert len(order) == len(set(order)) == len(table)
-    routed_since = {divmod(f, WIDE.n_expert) for f in policy._since_rank}
+    routed_since = {divmod(f, WIDE.n_expert) for f in ranking._since_rank}
     assert key in routed_since
     first_late = min(order.index(k) for k in routed_since if k in order)
     assert first_late > 0 and order.index(key) >= first_late
@@ -500,51 +537,52 @@ def test_what_left_the_ranking_or_came_back_is_skipped_from_its_head_for_good() 
     comes back (loaded again) is offered after the ranking, by its fresh density."""
     policy, table = density(2 * TD)
     drive(table, routed_tokens(6))
-    assert policy.eviction == "density" and policy._rerank == 2
-    policy._rank_epoch = -1
+    ranking = ranking_of(policy)
+    assert policy.eviction == "density" and ranking._rerank == 2
+    ranking._rank_epoch = -1
     first = list(policy.victims())[:4]  # ranked now: the head's first four
     for key in first[:3]:
         table.evict(table._entries[key])
     order = list(policy.victims())
-    assert order[0] == first[3] and policy._head_at == 3
+    assert order[0] == first[3] and ranking._head_at == 3
     assert len(order) == len(set(order)) == len(table)
     back = table.reserve(first[0], UNIT)  # loaded again
     assert back is not None
     table.publish(back)
     order = list(policy.victims())
-    assert policy._head_at == 3 and order[-1] == first[0] and order[0] == first[3]
+    assert ranking._head_at == 3 and order[-1] == first[0] and order[0] == first[3]
     policy.check(set(table._entries))
 
 
-def test_retired_its_hooks_are_lrus_own_and_an_engines_lookahead_rebuilds_the_rest() -> None:
-    """Retired (LRU's eviction, the prefetch off for good), the membership hooks are LRU's
-    own over the policy's order (anything more costs a retired ``default`` 0.5 % at 2.25 MiB,
-    session 48, 2-3 % at 36 KiB, session 45), and they decide exactly as ``lru`` from the same
-    state; an engine's lookahead takes the bookkeeping up again, rebuilt: the held bytes, the
-    resident mask, the per-layer counts, each expert fresh to the guard."""
+def test_alone_its_hooks_are_lrus_own_and_an_engines_lookahead_rebuilds_the_rest() -> None:
+    """Alone with LRU's order (LRU's eviction, the prefetch off for good), an ``LRUPolicy``
+    over the policy's order serves the membership hooks (anything more costs the default
+    0.5 % at 2.25 MiB, 2-3 % at 36 KiB), deciding exactly as ``lru`` from the same state; an
+    engine's lookahead takes the bookkeeping up again, rebuilt: the held bytes, the per-layer
+    counts, each expert fresh to the guard."""
     policy, table = density(TD)
     tokens = routed_tokens(12)
     drive(table, tokens[:4])
     policy._trial, policy._prefetching, policy._verdict = None, False, "prefetch off (test)"
-    policy._to_lru("lru (test)")
-    assert policy._retired and policy.end_batch() is None
-    policy._retire()  # a second retirement changes nothing
-    assert all(getattr(policy, name).__self__.__class__ is LRUPolicy
-               for name in _LRU_HOOKS)
+    policy._evict_by(Eviction.LRU, "lru (test)")
+    assert policy.lru_alone and policy.end_batch() is None
+    assert policy.state.mode == "lru alone" and policy.state.why == "lru (test)"
+    assert isinstance(policy._alone, LRUPolicy)
     twin = ResidencyTable(table.budget_bytes, LRUPolicy())  # ``lru`` with the same residents, in order
-    for key, nbytes in policy._order.items():
+    for key, nbytes in policy._order.stamps.items():
         entry = twin.reserve(key, nbytes)
         assert entry is not None
         twin.publish(entry)
     hits = drive(table, tokens[4:8])  # evictions and loads while retired
     assert hits == drive(twin, tokens[4:8])
     table.check()
-    assert list(policy.victims()) == list(policy._order) == list(twin.policy.victims())
+    assert list(policy.victims()) == list(policy._order.stamps) == list(twin.policy.victims())
     policy.on_expect(SHAPE.layers[0], np.full(SHAPE.n_expert, 0.5))
-    assert not policy._retired and "on_request" not in vars(policy)
-    assert policy._held == sum(policy._bytes.values()) == table.used_bytes
-    table.check()  # the held bytes, the mask and the per-layer counts, rebuilt
-    assert all(policy._order[key] == policy._visits[policy._pos_of(key)] for key in policy._order)
+    assert not policy.lru_alone and policy._alone is None
+    order, walk = policy._order, policy._walk
+    assert order.held == sum(order.nbytes.values()) == table.used_bytes
+    table.check()  # the held bytes and the per-layer counts, rebuilt
+    assert all(order.stamps[key] == walk.visits[walk.position_of(key)] for key in order.stamps)
     drive(table, tokens[8:])
     table.check()
 
@@ -553,8 +591,9 @@ def test_check_catches_a_resident_mask_out_of_step() -> None:
     policy, table = density(TD)
     drive(table, routed_tokens(3))
     table.check()
-    flat = int(np.flatnonzero(policy._res)[0])
-    policy._res[flat] = False
+    ranking = ranking_of(policy)
+    flat = int(np.flatnonzero(ranking._res)[0])
+    ranking._res[flat] = False
     with pytest.raises(InvariantError, match="resident mask"):
         table.check()
 
@@ -577,20 +616,21 @@ def test_its_ranking_is_the_documented_density_expert_by_expert() -> None:
     so the same order), with layers of equal and of different sizes."""
     for sizes in ({0: UNIT, 1: UNIT, 2: UNIT, 3: UNIT}, {0: UNIT, 1: 3 * UNIT, 2: 2 * UNIT, 3: UNIT}):
         shape = ModelShape(layers=(0, 1, 2, 3), n_expert=8, experts_per_token=2, expert_bytes=sizes)
-        policy = DensityPolicy(0)
+        policy = DefaultPolicy(0)
         policy.set_shape(shape)
         table = ResidencyTable(shape.token_cycle_bytes, policy)
         drive(table, routed_tokens(12), sizes=sizes)
-        phit, extra = policy._hz.density(policy._horizon)
-        idx = np.flatnonzero(policy._res)
+        ranking = ranking_of(policy)
+        phit, extra = ranking._hz.density(ranking.horizon)
+        idx = np.flatnonzero(ranking._res)
         assert idx.size >= 4
         for cur in range(4):
-            got = policy._densities_of(idx, cur)
+            got = ranking._densities_of(idx, cur)
             want = []
             for flat in idx.tolist():
                 p, e = divmod(flat, 8)
-                age = min(int(policy._dv[p]) - 1 - int(policy._last[p, e]), AGE_MAX - 1)
-                c = int(count_bin(np.array([policy._count[p, e]]))[0])
+                age = min(int(ranking.dv[p]) - 1 - int(ranking._last[p, e]), AGE_MAX - 1)
+                c = int(count_bin(np.array([ranking._count[p, e]]))[0])
                 ahead = (p - cur - 1) % 4 + 1
                 want.append(phit[age, c] * (sizes[p] + MISS_FIXED_BYTES)
                             / ((ahead + 4 * extra[age, c]) * sizes[p]))

@@ -13,9 +13,9 @@ import pytest
 
 from iosched import ExpertStore
 from iosched.residency import POLICIES, Capability, ResidencyTable, bind, make_policy
-from iosched.residency.earned import MIN_WINDOWS, EarnedPolicy
+from iosched.residency.alternatives.earned import MIN_WINDOWS, EarnedPolicy
+from iosched.residency.alternatives.moe import MoEPolicy
 from iosched.residency.lru import LRUPolicy
-from iosched.residency.moe import MoEPolicy
 from tests.test_moe import SHAPE, TD, UNIT, drive
 
 

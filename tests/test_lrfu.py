@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from iosched import StoreError
 from iosched.residency import ModelShape, ResidencyTable, make_policy
-from iosched.residency.lrfu import HALF_LIFE_TOKENS, LRFUPolicy
+from iosched.residency.alternatives.lrfu import HALF_LIFE_TOKENS, LRFUPolicy
 
 L, E = 3, 6
 SHAPE = ModelShape(layers=tuple(range(L)), n_expert=E, experts_per_token=2,

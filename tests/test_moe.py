@@ -18,9 +18,9 @@ from iosched.residency import POLICIES, Capability, PrefetchGuard, ResidencyTabl
 from iosched.residency._cooc import CoActivation
 from iosched.residency._hazard import AGE_MAX, COUNT_BINS, HazardTable
 from iosched.residency._policy import Key, ModelShape
-from iosched.residency.earned import EarnedPolicy
+from iosched.residency.alternatives.earned import EarnedPolicy
+from iosched.residency.alternatives.moe import MoEPolicy
 from iosched.residency.lru import LRUPolicy
-from iosched.residency.moe import MoEPolicy
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_store import expected_bytes
 

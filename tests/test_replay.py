@@ -33,8 +33,8 @@ from iosched import _settings
 from iosched._errors import StoreError
 from iosched.residency import POLICIES, ResidencyTable, make_policy
 from iosched.residency._policy import Key
-from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
-from iosched.residency.lfu import LFUPolicy
+from iosched.residency.alternatives.belady import NEVER, BeladyPolicy, next_uses
+from iosched.residency.alternatives.lfu import LFUPolicy
 from iosched.tools import replay
 from iosched.tools._replay_policies import EXPERIMENTAL, OFFLINE, VARIANTS
 from iosched.tools.replay import Requests, budget_for, simulate
@@ -484,8 +484,8 @@ def test_store_error_is_the_base() -> None:
         replay.parse_policies("belady,zzz")
 
 
-@pytest.mark.parametrize("statement", ["import iosched.residency.belady", "import iosched.residency.lfu",
-                                       "import iosched.tools.replay"])
+@pytest.mark.parametrize("statement", ["import iosched.residency.alternatives.belady",
+                                       "import iosched.residency.alternatives.lfu", "import iosched.tools.replay"])
 def test_modules_import_first_in_a_fresh_interpreter(statement: str) -> None:
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", statement], cwd=root, capture_output=True,

@@ -14,7 +14,7 @@ from iosched._errors import UnknownExpertError
 from iosched.residency import ResidencyTable
 from iosched.residency._cooc import CoActivation
 from iosched.residency._policy import ModelShape
-from iosched.residency.moe import MoEPolicy
+from iosched.residency.alternatives.moe import MoEPolicy
 from iosched.tools.calltrace import format_call_trace, load_call_trace_text
 from iosched.tools.replay import Requests, budget_for, drive, simulate
 from iosched.tools.trace import load_bundled_trace
@@ -181,7 +181,7 @@ async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpo
 
 
 def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() -> None:
-    from iosched.residency._lift import ContextLift
+    from iosched.residency.alternatives._lift import ContextLift
 
     lift = ContextLift(2, 8)
     assert np.array_equal(lift.factor(0), np.ones(8)) and lift.factor(slice(None)).shape == (2, 8)
@@ -204,7 +204,7 @@ def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() ->
 
 
 def test_lift_without_information_stays_near_one() -> None:
-    from iosched.residency._lift import ContextLift
+    from iosched.residency.alternatives._lift import ContextLift
 
     rng = np.random.default_rng(7)
     lift = ContextLift(1, 64)

@@ -9,7 +9,7 @@ from collections.abc import Hashable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iosched.residency._s3fifo import FREQ_MAX, S3Fifo
+from iosched.residency.default._s3fifo import FREQ_MAX, S3Fifo
 
 
 def test_a_new_key_goes_on_probation_and_leaves_first_unless_hit() -> None:

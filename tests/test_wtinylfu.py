@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from iosched._errors import BudgetError
 from iosched.residency import POLICIES, Capability, Entry, Key, LRUPolicy, ResidencyTable, make_policy
-from iosched.residency.sketch import MAX_COUNT, CountMinSketch, key_hash
-from iosched.residency.wtinylfu import WTinyLFUPolicy
+from iosched.residency.alternatives.sketch import MAX_COUNT, CountMinSketch, key_hash
+from iosched.residency.alternatives.wtinylfu import WTinyLFUPolicy
 from iosched.tools.replay import Requests, budget_for, simulate
 from iosched.tools.trace import load_bundled_trace
 
@@ -106,7 +106,7 @@ def test_sketch_ages_by_halving_every_sample_size_increments() -> None:
 
 def test_key_hash_is_deterministic_across_processes() -> None:
     root = Path(__file__).resolve().parents[1]
-    code = "from residency.sketch import key_hash; print(key_hash((3, 17)), key_hash(5))"
+    code = "from residency.alternatives.sketch import key_hash; print(key_hash((3, 17)), key_hash(5))"
     outs = {subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}, timeout=60).stdout
             for seed in ("1", "2")}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from iosched.residency import Policy
-from iosched.residency.lfu import LFUPolicy
+from iosched.residency.alternatives.lfu import LFUPolicy
 
 OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
 """Offline policies this tool builds from the trace, and whether they bypass (see

@@ -212,6 +212,7 @@ def result_row(policy: str, cycles: float, s: dict[str, Any], run: demo.EngineRu
         "other_ms_per_token": demo.other_ms_per_token(run),
         "loop_cpu_ms_per_token": 1e3 * run.decode_cpu_s / max(run.tokens, 1),
         "policy_verdict": s.get("policy_verdict"),
+        "policy_state": dict(s["policy_state"]) if s.get("policy_state") is not None else None,
         **engine.describe(),
     }
 

@@ -73,7 +73,7 @@ import numpy.typing as npt
 
 from iosched import BudgetError, InvariantError, StoreError, settings
 from iosched.residency import POLICIES, Capability, Entry, Key, ModelShape, Policy, ResidencyTable, bind, make_policy
-from iosched.residency.belady import NEVER, BeladyPolicy, next_uses
+from iosched.residency.alternatives.belady import NEVER, BeladyPolicy, next_uses
 
 from . import _command
 from ._progress import run_progress
@@ -520,6 +520,8 @@ def simulate(reqs: Requests, policy_name: str, cycles: float, budget: int, *,
     if isinstance(policy, BeladyPolicy) and not policy.finished:
         raise InvariantError(f"Belady saw {policy.cursor} of {len(reqs)} requests")
     row = _row(policy_name, cycles, budget, reqs, run.flags, time.perf_counter() - t0)
+    if table.hooks.stateful is not None:
+        row["policy_state"] = table.hooks.stateful.state.as_dict()
     row.update(admissions=table.admissions, rejections=table.rejections,
                evictions=table.evictions, resident_bytes=table.used_bytes,
                resident_experts=len(table), prefetch_refused_guard=table.refused_prefetches,

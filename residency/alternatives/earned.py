@@ -1,9 +1,8 @@
-"""``earned``: ``moe`` while it earns its cost, then ``coact`` (the default until
-2026-12-01; ``default`` is ``coact`` now, docs/residency.md says why).
+"""``earned``: ``moe`` while it earns its cost, then ``coact``.
 
 Why: the objective is the engine's tokens per second. ``moe`` (``residency/moe.py``) makes
 better decisions than LRU: more hits, prefetches that land in the drive's idle time. But its
-Python runs on the engine's critical path. On the 2-core development VM, with real numpy
+Python runs on the engine's critical path. On a 2-core VM, with real numpy
 compute and 576 KiB experts, it cost more than its extra hits saved in every cell measured:
 0.58-0.88x ``lru``'s tokens/s (docs/benchmarks.md, "Real reads and real compute"). On the
 critical-path replay with compute elsewhere it reached 1.00-1.14x (docs/residency.md). Which
@@ -24,7 +23,7 @@ are not counted):
 
 Once a token (:data:`WINDOW_TOKENS`), from the :data:`MIN_WINDOWS`-th on, the sums since the
 first counted batch are compared. If the saving does not exceed the cost, the policy switches
-for good to ``coact`` (``residency/coact.py``): LRU's eviction at LRU's cost per request, plus
+for good to ``coact`` (``residency/alternatives/coact.py``): LRU's eviction at LRU's cost per request, plus
 a next-layer prefetch that never displaces an expert its layer's last visit routed. It goes on
 from ``moe``'s state (``MoEPolicy.hand_over``): the LRU order from ``moe``'s last-use stamps of
 what is resident, its visit counts, its co-activation table. ``cost_verdict`` (in
@@ -46,8 +45,7 @@ Why a one-way switch: after it, ``moe``'s state is no longer fed (its co-activat
 whose conditions change opens a new store.
 
 Without a clock (the hit-rate replay, ``iosched replay --simulate``) nothing is measured and
-nothing switches: the policy is ``moe``, decision for decision, so the hit-rate tables made
-when ``default`` was ``moe`` are this policy's too.
+nothing switches: the policy is ``moe``, decision for decision.
 
 Constants: :data:`WINDOW_TOKENS` is structural; :data:`MIN_WINDOWS` was measured (see it).
 """
@@ -61,7 +59,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from ._policy import (
+from .._policy import (
     BatchAware,
     BudgetAware,
     Capability,

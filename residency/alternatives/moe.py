@@ -65,11 +65,10 @@ import numpy.typing as npt
 
 from iosched._errors import StoreError, require
 
-from . import _history
-from ._cooc import CoActivation
-from ._hazard import AGE_MAX, HazardTable, age_bin, count_bin
-from ._lift import ContextLift, lift_bin
-from ._policy import (
+from .. import _history
+from .._cooc import CoActivation
+from .._hazard import AGE_MAX, HazardTable, age_bin, count_bin
+from .._policy import (
     BatchAware,
     BudgetAware,
     Capability,
@@ -82,6 +81,7 @@ from ._policy import (
     ShapeAware,
     WaitCostAware,
 )
+from ._lift import ContextLift, lift_bin
 
 F64 = npt.NDArray[np.float64]
 

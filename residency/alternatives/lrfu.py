@@ -50,8 +50,8 @@ import numpy.typing as npt
 
 from iosched._errors import StoreError, require
 
-from . import _history
-from ._policy import Capability, HistoryKeeper, Key, LookaheadAware, ModelShape, PrefetchGuard, ShapeAware
+from .. import _history
+from .._policy import Capability, HistoryKeeper, Key, LookaheadAware, ModelShape, PrefetchGuard, ShapeAware
 
 HALF_LIFE_TOKENS = 16.0
 """Tokens after which an expert's routing rate has halved (module docstring: measured)."""

@@ -21,7 +21,7 @@ The capacity is what the table lets admitted entries use, given by the optional
 without it (a policy driven by hand) the capacity is the peak of the bytes the policy has
 held.
 
-Frequency: a :class:`~iosched.residency.sketch.CountMinSketch` incremented on every request, aged
+Frequency: a :class:`~iosched.residency.alternatives.sketch.CountMinSketch` incremented on every request, aged
 (halved) every ``10 x`` the capacity in items (Caffeine's sample size); the capacity in items
 is the capacity in bytes over the mean size of the experts seen, or the peak resident count,
 whichever is larger.  The sketch's width follows the distinct keys seen (at least twice as
@@ -61,7 +61,7 @@ from typing import ClassVar
 
 from iosched._errors import InvariantError, require
 
-from ._policy import BudgetAware, Capability, Key
+from .._policy import BudgetAware, Capability, Key
 from .sketch import CountMinSketch, next_power_of_two
 
 WINDOW, PROBATION, PROTECTED = 0, 1, 2

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from iosched._errors import InvariantError, require
 
-from ._policy import Capability, Key
+from .._policy import Capability, Key
 
 
 class LFUPolicy:

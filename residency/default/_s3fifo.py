@@ -1,19 +1,14 @@
 """S3-FIFO queues (Yang et al., "FIFO queues are all you need for cache eviction", SOSP 2023),
-with the probationary queue one token cycle long: what ``default`` evicts by when its density
-ranking costs more than it saves (``residency/density.py``, "What it costs").
+with the probationary queue one token cycle long: what the default evicts by when its density
+ranking costs more than it saves above one token cycle of budget (``_judge.py``).
 
 Why S3-FIFO: its work is a few dictionary operations a request and a victim, as LRU's, and on
-MoE routing it keeps most of what the density ranking gains over LRU from two token cycles of
-budget up.  Measured with the hit-rate replay under the store's batch leases (eviction only,
-decode hit %, session 47): at 4 TD qwen 75.3 (LRU 71.8, the ranking 75.6), gemma 73.0 (70.2,
-75.0), two synthetic traces 70.6 and 77.4 (69.2 and 77.0; 73.8 and 79.4); at 2 TD +0.7 to +3.9
-points over LRU.  In paired real runs (qwen and gemma, 4 TD, 2.25 MiB experts, O_DIRECT,
-compute in a thread) it ran at 0.999-1.007x ``lru`` where the ranking ran at 0.977-0.991x:
-the ranking's hits, less than a tenth of its CPU.  Below two cycles it loses (1 TD: 11-13 %
-of hits against LRU's 35-58 %: the whole budget is one cycle, and the probationary queue
-leaves nothing to protect), so ``default`` falls back to LRU there.  libCacheSim has an
-S3-FIFO, but as a simulator over its own request records: the store's policy protocol (a
-victims iterator, leases, a prefetch guard) needs these queues in the policy itself.
+MoE routing it keeps most of what the ranking gains over LRU from two token cycles up (hit-rate
+replay, batch leases, 4 TD: qwen 75.3 % of decode requests, LRU 71.8, the ranking 75.6). Below
+two cycles it loses (1 TD: 11-13 % against LRU's 35-58 %: probation is the whole budget), so
+the default falls back to LRU there. libCacheSim has an S3-FIFO, but as a simulator over its
+own request records: the store's policy protocol (a victims iterator, leases, a prefetch
+guard) needs these queues in the policy itself.
 
 - **Probation** (``small``): a key that misses enters here, unless the ghost queue remembers
   it.  Its bytes are capped at one token cycle (``small_bytes``): an expert is asked for

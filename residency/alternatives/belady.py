@@ -46,7 +46,7 @@ from typing import ClassVar
 
 from iosched._errors import InvariantError, require
 
-from ._policy import Capability, Key
+from .._policy import Capability, Key
 
 NEVER = sys.maxsize
 """Next use of a key that is not requested again."""
