@@ -123,7 +123,6 @@ class DefaultPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingA
                                            or not isinstance(prefetch_width, int) or prefetch_width < 0):
             raise StoreError(f"policy '{self.name}': prefetch_width must be an integer >= 0, got {prefetch_width!r}")
         self._width_setting = prefetch_width
-        self._ranks = ranking
         self._width = 0
         self._walk = LayerWalk(self.name)
         self._order = UseOrder(self._walk)
@@ -227,9 +226,8 @@ class DefaultPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingA
                 self._trial.restart_admissions("the eviction became LRU's")
         if isinstance(self._alone, _S3Alone) and self._s3 is None:
             self._alone = self._alone.lru  # alone with S3-FIFO, which LRU's order replaces
-        elif (self._alone is None and self._trial is None and not self.prefetching and not self._engine_seen
-                and (self._verdict or not self._width)):
-            self._go_alone()  # the prefetch was off already (or never ran)
+        else:
+            self._alone_when_done()  # the prefetch may have been off already (or never ran)
 
     def _end_trial(self, on: bool, verdict: str) -> None:
         """The trial is over: the prefetch ``on`` or off for good, ``verdict`` says why; off,
@@ -241,11 +239,9 @@ class DefaultPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingA
         self._changed(verdict)
         if on or self._engine_seen:
             return
-        prefetch = self._prefetch
-        if prefetch is not None:
-            prefetch.forget()
-        if self._eviction is not Eviction.RANKING:
-            self._go_alone()
+        if self._prefetch is not None:
+            self._prefetch.forget()
+        if self._alone_when_done():
             self._verdict += "; LRU alone from here on"
 
     def _stop_trial(self, why: str) -> None:
@@ -254,17 +250,22 @@ class DefaultPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingA
         if self._trial is not None and not self._engine_seen:
             self._end_trial(False, f"prefetch off after {len(self._trial.pairs)} pairs of decode tokens: {why}")
 
+    def _alone_when_done(self) -> bool:
+        """LRU's order alone, once nothing else is left to run: the ranking does not evict, the
+        prefetch is off for good (or never ran) and the engine passes no lookahead; whether it
+        went alone now."""
+        if (self._alone is None and self._eviction is not Eviction.RANKING and self._trial is None
+                and not self.prefetching and not self._engine_seen and (self._verdict or not self._width)):
+            self._go_alone()
+            return True
+        return False
+
     def _go_alone(self) -> None:
-        """The prefetch is off for good, the engine passes no lookahead and the ranking does not
-        evict: LRU's order (with S3-FIFO's queues where they evict) takes the membership hooks,
-        over this very order, at LRU's cost per request. A guess still resident is forgotten
-        (a policy alone resolves no guess)."""
-        prefetch = self._prefetch
-        if prefetch is not None:
-            prefetch.forget_picks()
-            prefetch.rows = None
-            prefetch.forget()
-            prefetch.guesses.clear()
+        """LRU's order (with S3-FIFO's queues where they evict) takes the membership hooks, over
+        this very order, at LRU's cost per request. A guess still resident is forgotten (a policy
+        alone resolves no guess)."""
+        if self._prefetch is not None:
+            self._prefetch.retire()
         self._walk.drop()
         lru = LRUPolicy(self._order.hand_over())
         self._alone = lru if self._s3 is None else _S3Alone(lru, self._s3)

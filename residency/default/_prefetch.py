@@ -126,6 +126,14 @@ class NextLayerPrefetch:
         self.ghosts.clear()
         self.proposed.clear()
 
+    def retire(self) -> None:
+        """Nothing is learned, weighed or resolved from here (LRU's order alone is kept): the
+        token's picks and rows dropped, and a guess still resident forgotten."""
+        self.forget()
+        self.forget_picks()
+        self.rows = None
+        self.guesses.clear()
+
     # ------------------------------------------------------------------ learning
 
     def note_batch(self, pos: int, batch: list[int], decode: bool) -> None:
