@@ -3,7 +3,7 @@
 Why: one token's picks in layer ``l`` predict its picks in layer ``l + 1`` far better than
 popularity does (on the bundled traces, the top-k by co-occurrence with the current picks name
 50.8 % / 49.2 % of the next layer's experts, top-k by frequency 35.2 % / 36.8 %; measured in
-docs/residency-notebook.md). That is what lets a prefetch issued while layer ``l`` computes land
+docs/tried-and-dropped.md). That is what lets a prefetch issued while layer ``l`` computes land
 before layer ``l + 1`` asks.
 
 ``counts[p, i, j]`` is how often expert ``j`` of the layer after position ``p`` was routed in

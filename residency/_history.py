@@ -3,7 +3,7 @@ the pins it implies.
 
 Why: a cold policy spends its first tokens learning which experts a model routes, how reuse
 decays with age and which experts follow which; an engine that restarts on the same model
-need not (the replay's seeded arm measures what seeding gives: ``docs/residency-notebook.md``).  The
+need not (the replay's seeded arm measures what seeding gives: ``docs/tried-and-dropped.md``).  The
 file is a plain ``numpy.savez`` archive (no pickle) of the learned arrays and the model's
 shape; loading checks the shape and names the file and the field that do not fit.
 

@@ -15,7 +15,7 @@ token earlier (the one eviction decisions used meanwhile) is binned, and per bin
 adds the uses the visit routed and the uses the class hazard expected.  ``observed /
 expected`` per bin (one pseudo-observation toward 1) multiplies the class's hit probability.
 Where the predictor carries no information the ratios sit flat and nothing is reordered
-(synthetic traces with independent layers, docs/residency-notebook.md: within half a point of the
+(synthetic traces with independent layers, docs/tried-and-dropped.md: within half a point of the
 uncalibrated policy), where it does they rise with the lift.  Measured on the bundled traces
 with the prompt's rows: 8 TD decode hits qwen 94.9 -> 95.2, gemma 93.5 -> 94.0; an uncalibrated
 lift (the ratio itself as the multiplier) gained as much there and lost up to 5 points on the

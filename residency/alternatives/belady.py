@@ -25,7 +25,7 @@ an item whose next use is farther than every resident's) cannot do better throug
 bytes within the budget while it loads and is computed on, so the table evicts the same
 victims either way, and bypass would only leave the freed bytes empty where admission keeps
 an item that is evicted first when the bytes are needed.  ``bypass_budget=`` exists to measure
-exactly that (docs/residency-notebook.md, negative results); it bypasses only a miss that does not
+exactly that (docs/tried-and-dropped.md, negative results); it bypasses only a miss that does not
 fit beside the resident keys within ``bypass_budget``.
 
 Sizes: experts differ in size between layers (by up to ~20% in the bundled traces); with

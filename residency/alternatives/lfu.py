@@ -9,7 +9,7 @@ registry's ``lfu``): the count survives eviction.  Keeping it is cheap here, bec
 are the checkpoint's experts (layers x experts, a few thousand), not an open-ended stream.
 ``history=False`` is the *in-cache* LFU of libCacheSim (a key enters with frequency 1, gains
 1 per hit while resident and forgets it on eviction); on the real traces it is far worse
-(docs/residency-notebook.md, negative results) and it is kept to check this code against libCacheSim's
+(docs/tried-and-dropped.md, negative results) and it is kept to check this code against libCacheSim's
 ``LFU``, which it matches hit for hit.
 
 Ties are broken by recency: among keys of the lowest frequency, the least recently requested

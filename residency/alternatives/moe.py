@@ -1,4 +1,4 @@
-"""``moe``: the default policy, built on the structure of MoE routing.
+"""``moe``: hit density priced per request, with its own prefetch, on the structure of MoE routing.
 
 Why a policy of its own: a token visits every MoE layer once, in a fixed order, so the next
 request for an expert of layer ``l`` can only come at ``l``'s next visit, and the layer just
@@ -39,7 +39,7 @@ to the mean; without measurements (the replay) every miss costs the same, so the
 counts hits, the replay's metric.
 
 Demand misses are always admitted: an admission filter measured no gain on the bundled traces
-(docs/residency-notebook.md, negative results), and a demand miss's bytes are held while the engine
+(docs/tried-and-dropped.md, negative results), and a demand miss's bytes are held while the engine
 computes on it anyway.
 
 Nothing here is fitted to a trace: ``k``, ``L`` and the expert sizes come from the model's
@@ -245,7 +245,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         """The eviction guard: load ``key`` ahead of demand only if its density (with its
         predicted chance of being routed at the next visit) beats that of every expert it
         would displace.  Measured alternative, dropped: comparing hit probabilities within
-        the horizon instead of densities lost 0.5-2.9 points at 0.5-2 TD (docs/residency-notebook.md)."""
+        the horizon instead of densities lost 0.5-2.9 points at 0.5-2 TD (docs/tried-and-dropped.md)."""
         if not victims:
             return True
         self._refresh()
@@ -359,7 +359,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         nothing, so the ranking is deferred (:meth:`_settle` does it before the first walk
         or change of what it ranks, on the same state, so the order is the one ranking now
         would give): an all-hit batch then pays nothing for it (``iosched hitpath``: the
-        batch-end work fell from ~190 to ~40 us, docs/residency-notebook.md, "Cutting the
+        batch-end work fell from ~190 to ~40 us, docs/tried-and-dropped.md, "Cutting the
         default's CPU")."""
         if self._shape is None or self._batch:
             return
@@ -504,7 +504,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         Why: a batch of many tokens (a prompt) reaches the policy as the union of its experts,
         which says nothing about which experts go together; its rows do, and they are all the
         co-activation evidence there is before the first decode token.  Measured with the
-        bundled traces' prompts (docs/residency-notebook.md): 8 TD decode hits
+        bundled traces' prompts (docs/tried-and-dropped.md): 8 TD decode hits
         93.7 -> 94.9 (qwen) and 92.6 -> 93.5 (gemma).  A single row is ignored: its batch, at
         most ``k`` keys, is paired at its end already."""
         if self._shape is None or rows.ndim != 2 or rows.shape[0] <= 1:
