@@ -34,6 +34,8 @@ import grimp
 import pytest
 from importlinter.api import read_configuration
 
+from tests._fresh import module_import_failures
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 
@@ -243,16 +245,7 @@ def test_only_the_tools_import_the_tools(graph: grimp.ImportGraph) -> None:
 
 def test_every_module_imports_first_in_a_fresh_interpreter(graph: grimp.ImportGraph) -> None:
     """No import-order guard is needed anywhere: each module of iosched imports on its own,
-    first thing, in a fresh interpreter (4 at a time: ~90 interpreters take ~10 s on 2 cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    first thing, in a clean interpreter (``tests/_fresh.py``)."""
     modules = sorted(m for m in graph.modules if _is_within(m, "iosched"))
-
-    def first_import(module: str) -> str | None:
-        result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120, stdin=subprocess.DEVNULL)
-        return None if result.returncode == 0 else f"import {module}:\n{result.stderr[-2000:]}"
-
-    with ThreadPoolExecutor(4) as pool:
-        failures = [f for f in pool.map(first_import, modules) if f is not None]
+    failures = module_import_failures(modules)
     assert len(modules) > 60 and not failures, "\n".join(failures)
