@@ -13,7 +13,7 @@ this: ``aiofiles`` and ``anyio.to_thread`` are built on the same executor path.
 A job is one tuple on a ``SimpleQueue``; the worker posts its result back with one
 ``call_soon_threadsafe``.  :meth:`Workers.undelivered` counts the calls that finished whose
 awaiting coroutine has not resumed yet: their results sit in the loop's queue, and the core
-lets them through before batch-end work it could run later (``iosched/_prefetch.py``).
+lets them through before batch-end work it could run later (``iosched/runtime/_prefetch.py``).
 
 **Invariant: :meth:`run` returns or raises only once the call has finished**, also when its
 task is cancelled meanwhile: a read keeps writing into its buffer until the system call

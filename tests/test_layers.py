@@ -3,7 +3,9 @@
 ``lint-imports`` (import-linter, run by ``make test``) checks the contracts in
 ``pyproject.toml``: no cycles among siblings, backends and residency importing only the core's
 leaf modules and not each other, private modules of backends, residency and tools imported
-from inside their package only.  What it cannot say is checked here, on the import graph that
+from inside their package only, and the rooms in layers (the tools over the public modules,
+over the runtime, over the checkpoint formats and the topology, over backends and residency,
+over the shared leaves).  What it cannot say is checked here, on the import graph that
 grimp (import-linter's graph builder) makes from the source tree:
 
 * the tools import the public API only: no ``_``-prefixed module outside ``iosched.tools``,
@@ -171,13 +173,19 @@ def test_the_contracts_are_the_documented_ones() -> None:
     contracts = _contracts()
     assert {(cid, c["type"]) for cid, c in contracts.items()} == {
         ("acyclic", "acyclic_siblings"), ("leaves", "forbidden"),
-        ("independent", "independence"), ("private", "private_modules")}
+        ("independent", "independence"), ("private", "private_modules"), ("rooms", "layers")}
     session = _config()["session_options"]
     assert session["root_packages"] == ["iosched"]
     assert session["exclude_type_checking_imports"] == "False"  # TYPE_CHECKING imports count
     assert contracts["acyclic"]["ancestors"] == ["iosched"] and "depth" not in contracts["acyclic"]
     assert set(contracts["independent"]["modules"]) == {"iosched.backends", "iosched.residency"}
     assert set(contracts["private"]["packages_with_private_modules"]) == set(SUBPACKAGES.values())
+    rooms = contracts["rooms"]
+    assert rooms["containers"] == ["iosched"] and rooms["exhaustive"] == "True"  # every child placed
+    assert rooms["layers"][:5] == ["tools", "clock | settings", "runtime", "formats | topology",
+                                   "backends | residency"]
+    leaves = {f"iosched.{name.strip()}" for layer in rooms["layers"][5:] for name in layer.split("|")}
+    assert leaves == LEAVES, "the bottom layers are the shared leaves"
 
 
 def test_the_leaves_contract_forbids_every_other_core_module() -> None:
@@ -215,7 +223,7 @@ def test_the_contracts_hold() -> None:
     result = subprocess.run([_lint_imports(), "--no-cache", "--no-logo"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout, result.stdout
+    assert "Contracts: 5 kept, 0 broken." in result.stdout, result.stdout
 
 
 # ------------------------------------------------------------------------- what the contracts miss

@@ -231,7 +231,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     ``folder``: where the checkpoint is built or found (default: the cache folder, as for
     ``iosched demo``).  ``cold``: drop it from the page cache before each run.  ``auto``: one
     more run per policy with ``budget_bytes="auto"`` (it opens at ``auto_start_cycles`` and
-    grows, ``iosched/_growth.py``); its row's ``cycles`` is the budget it ended with.
+    grows, ``iosched/runtime/_growth.py``); its row's ``cycles`` is the budget it ended with.
     ``routing``: the engine hands each prompt batch's router output to ``observe_routing``
     (``False``: keys only, ``--keys-only``).  ``compute``: real numpy compute (the default)
     or a sleep, run where ``compute_on`` says; ``compute_ms``, the older spelling of
