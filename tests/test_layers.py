@@ -182,7 +182,7 @@ def test_the_contracts_are_the_documented_ones() -> None:
     assert set(contracts["private"]["packages_with_private_modules"]) == set(SUBPACKAGES.values())
     rooms = contracts["rooms"]
     assert rooms["containers"] == ["iosched"] and rooms["exhaustive"] == "True"  # every child placed
-    assert rooms["layers"][:5] == ["tools", "clock | settings", "runtime", "formats | topology",
+    assert rooms["layers"][:5] == ["tools", "_telemetry | clock | settings", "runtime", "formats | topology",
                                    "backends | residency"]
     leaves = {f"iosched.{name.strip()}" for layer in rooms["layers"][5:] for name in layer.split("|")}
     assert leaves == LEAVES, "the bottom layers are the shared leaves"
