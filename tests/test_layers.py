@@ -44,7 +44,7 @@ PYPROJECT = ROOT / "pyproject.toml"
 SUBPACKAGES = {"backends": "iosched.backends", "residency": "iosched.residency", "tools": "iosched.tools"}
 """Top-level folders of the tree and the names they are imported by."""
 
-LEAVES = {"iosched._errors", "iosched._settings", "iosched._devices", "iosched._layout"}
+LEAVES = {"iosched._errors", "iosched._settings", "iosched._devices", "iosched._layout", "iosched._atomic"}
 """The core's leaf modules: all of the core that backends and residency may import."""
 
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -57,6 +56,7 @@ from typing import Any
 
 import xxhash
 
+from iosched._atomic import StagedFile
 from iosched._errors import CheckpointError, StoreError
 from iosched._layout import CheckpointIndex, ExpertKey
 
@@ -208,27 +208,16 @@ def _hash_extents(index: CheckpointIndex, hash_name: str,
     return rows
 
 
-def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to a temporary file in ``path``'s folder, fsync it, rename it over
-    ``path``: a reader sees the old manifest or the new one, never half of one."""
-    folder = os.path.dirname(path) or "."
+def _write_file(path: str, text: str) -> None:
+    """Replace ``path`` by the manifest ``text``, atomically (:mod:`iosched._atomic`): a
+    reader sees the old manifest or the new one, never half of one."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".iosched-manifest-", suffix=".tmp")
+        staged = StagedFile(path, prefix=".iosched-manifest-", suffix=".tmp")
     except OSError as exc:
         raise StoreError(f"cannot write the manifest {path}: {exc.strerror or exc}; "
                          "write it elsewhere (iosched manifest --out PATH, then open(manifest=PATH))") from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with staged:
+        staged.file.write(text.encode("utf-8"))
 
 
 def _writable_target(path: str) -> None:
@@ -262,7 +251,7 @@ def write_manifest(source: str | os.PathLike[str], out: str | os.PathLike[str] |
             "checkpoint": {"format": index.format, "files": identity}}
     lines = [json.dumps([key[0], key[1], rows[key]], separators=(",", ":")) for key in sorted(rows)]
     text = json.dumps(head)[:-1] + ', "experts": [\n' + ",\n".join(lines) + "\n]}\n"
-    _atomic_write(path, text)
+    _write_file(path, text)
     extents = sum(len(r) for r in rows.values())
     nbytes = sum(ext.length for layout in index.experts.values() for ext in layout.extents)
     return ManifestSummary(path, os.path.abspath(index.root), index.format, hash_name, len(index.files),

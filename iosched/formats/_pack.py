@@ -34,7 +34,8 @@ shard:
   and the expert counts.
 
 Safety: nothing is written outside a temporary folder beside the destination until the copy
-has been written, flushed to disk and verified; then one ``rename`` publishes it. An existing
+has been written, flushed to disk and verified; then one ``rename`` publishes it
+(:class:`iosched._atomic.StagedFolder`). An existing
 destination is never replaced (an empty folder excepted), nor one inside the source. The
 verification re-indexes the copy with :func:`~iosched.formats._checkpoint.load_index`, checks every
 expert is one extent at an aligned offset holding the same tensors (names, dtypes, shapes,
@@ -50,7 +51,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from iosched._atomic import StagedFolder
 from iosched._errors import CheckpointError, StoreError
 from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout, GgmlType
 
@@ -581,14 +582,6 @@ def _write_small(path: Path, data: bytes) -> None:
         os.fsync(out.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------- the checks
 
 
@@ -755,27 +748,22 @@ def pack_checkpoint(source: str | os.PathLike[str], dest: str | os.PathLike[str]
     dest_path = Path(os.path.abspath(os.fspath(dest)))
     _check_dest(index, dest_path)
     plan = _plan(index, align, max_shard_bytes, src_meta)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.pack-", dir=dest_path.parent))
-    try:
+    with StagedFolder(dest_path, prefix=f".{dest_path.name}.pack-") as staged:  # removed on any failure
+        tmp = Path(staged.path)
         written = _write(plan, tmp, align, progress)
         root = Path(index.root)
         config = root / CONFIG_JSON
         if root.is_dir() and config.is_file():
             shutil.copyfile(config, tmp / CONFIG_JSON)
-        _fsync_dir(tmp)
         t1 = time.perf_counter()
         if verify:
             _verify(plan, index, tmp, align, progress)
         t2 = time.perf_counter()
         try:
-            os.rename(tmp, dest_path)  # replaces an empty folder; refuses anything else
+            staged.publish()  # replaces an empty folder; refuses anything else
         except OSError as exc:
             raise PackError(f"cannot publish the packed copy as {dest_path}: {exc.strerror or exc} (was it "
                             "created meanwhile?)") from None
-        _fsync_dir(dest_path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     src_root = root if root.is_dir() else root.parent
     moves = []
     for shard in plan.shards:
