@@ -13,8 +13,7 @@ A group's misses (``acquire_many``) take the same three paths in :meth:`Acquirer
 one coroutine for all of them, unless the policy weighs each acquire's own wait.
 
 Each acquire of a known key is counted once, by what it found when it asked (``hits``,
-``misses``, ``joins``).  The felt wait is the union of the intervals during which some
-acquire was waiting: six experts awaited together for 2 ms cost the engine 2 ms, not 12.
+``misses``, ``joins``), and its wait is the engine's felt wait (:class:`FeltWait`).
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ from iosched.residency import Entry, EntryState, ResidencyTable
 
 from . import _clock
 from ._autogrow import AutoGrow
+from ._felt import FeltWait
 from ._lease import ThreadArrivals
 from ._loads import Loader
 from ._prefetch import Prefetcher, PrefetchLedger
 from ._room import Lifecycle, Room
-from ._scheduler import DEMAND
 from ._stats import RequestCounts
 
 
@@ -54,9 +53,10 @@ class Acquirer:
 
     def __init__(self, index: CheckpointIndex, table: ResidencyTable, loader: Loader,
                  prefetcher: Prefetcher, ledger: PrefetchLedger, room: Room, lifecycle: Lifecycle,
-                 counts: RequestCounts, growth: AutoGrow | None,
+                 counts: RequestCounts, growth: AutoGrow | None, felt: FeltWait,
                  owner: Callable[[], None] = lambda: None) -> None:
-        """``owner()`` raises unless the running loop is the store's (checked before a wait)."""
+        """``felt``: the engine's felt wait, which the acquires' waits make up; ``owner()``
+        raises unless the running loop is the store's (checked before a wait)."""
         self._index = index
         self._layouts: Mapping[ExpertKey, ExpertLayout] = index.experts
         self._table = table
@@ -72,20 +72,8 @@ class Acquirer:
         self._lifecycle = lifecycle
         self.counts = counts
         self._growth = growth
+        self._felt = felt
         self._owner = owner
-        self.felt_wait_s = 0.0
-        self._waiting = 0
-        """Acquires waiting now; the felt wait runs while it is above zero."""
-        self._takers: list[ThreadArrivals] = []
-        """Threads of the engine's taking a group's batches (``in_thread``), until its exit:
-        their blocked time is felt wait as it runs (:meth:`felt_so_far`)."""
-        prefetcher.engine_waiting = self._engine_waiting
-        prefetcher.felt_so_far = self.felt_so_far
-        prefetcher.engine_resumes_first = self._engine_resumes_first
-        self._wait_since = 0.0
-        self._felt: list[asyncio.Future[object]] = []
-        """What the engine's felt wait in a group's :meth:`GroupWait.collect` awaits, while it
-        does (empty otherwise)."""
 
     def layout_of(self, key: ExpertKey) -> ExpertLayout:
         """The layout of ``key``, a ``(layer, expert)`` tuple of true integers (``int`` or a
@@ -119,13 +107,13 @@ class Acquirer:
         """Acquire when the expert is not resident (or the store is closed)."""
         self._owner()
         self._lifecycle.check_open()
-        started = self._wait_starts()
-        concurrent = self._waiting  # the acquires this one's wait is shared with, so far
+        started = self._felt.starts()
+        concurrent = self._felt.waiting  # the acquires this one's wait is shared with, so far
         band = self._count_miss(layout)
         try:
             return await self._lease_when_loaded(layout)
         finally:
-            self._waited(layout, band, started, self._wait_ends(), concurrent)
+            self._waited(layout, band, started, self._felt.ends(), concurrent)
 
     async def wait_counted(self, layout: ExpertLayout, band: int | None) -> Entry:
         """:meth:`wait_for` of an acquire already counted (:meth:`_count_miss` gave ``band``)
@@ -135,7 +123,7 @@ class Acquirer:
         try:
             return await self._lease_when_loaded(layout)
         finally:
-            self._waited(layout, band, started, _clock.now(), max(self._waiting, 1))
+            self._waited(layout, band, started, _clock.now(), max(self._felt.waiting, 1))
 
     def _count_miss(self, layout: ExpertLayout) -> int | None:
         """Count an acquire that was no hit; the budget growth's band it missed in, if any."""
@@ -179,7 +167,7 @@ class Acquirer:
                 if entry.state is EntryState.RESIDENT:
                     self._lease(entry)
                     return entry
-                loaded = self._join(entry)
+                loaded = self._join(entry, key)
                 try:
                     await asyncio.shield(loaded)
                 finally:
@@ -216,7 +204,7 @@ class Acquirer:
         The group counts as one waiter for the felt wait (a union of intervals anyway)."""
         self._owner()
         self._lifecycle.check_open()
-        self._wait_starts()
+        self._felt.starts()
         try:
             group = self.start_group(layouts, ordered=False)  # awaited whole (see Ticket.ordered)
             out: list[Entry | BaseException | None] = [None] * len(layouts)
@@ -234,7 +222,7 @@ class Acquirer:
                 raise
             return cast("list[Entry | BaseException]", out)
         finally:
-            self._wait_ends()
+            self._felt.ends()
 
     async def submitted(self) -> None:
         """Return once the loads started in this step have reached the device: as many turns
@@ -264,47 +252,12 @@ class Acquirer:
         else:
             self.counts.joins += 1
 
-    def _join(self, entry: Entry) -> asyncio.Future[None]:
-        """Pin the LOADING ``entry`` for a waiter and give the future of its load; a demand
-        joining a prefetch promotes its reads."""
-        record = self._loader.in_flight[entry.key]  # type: ignore[index]
-        if record.ticket.priority != DEMAND:
-            record.ticket.promote()  # a demand joined a prefetch: its reads jump the queue
-            self._prefetcher.promoted += 1
+    def _join(self, entry: Entry, key: ExpertKey) -> asyncio.Future[None]:
+        """Pin the LOADING ``entry`` (of ``key``) for a waiter and give the future of its load,
+        which the loader promotes to demand if a prefetch started it."""
+        loaded = self._loader.join(key)
         self._table.pin(entry)
-        return record.future
-
-    def _engine_resumes_first(self) -> bool:
-        """Whether batch-end work due now should let the engine resume first: a result its
-        felt wait awaits is on its way (a read finished whose coroutine has not resumed, or an
-        awaited load is done), and the engine will wait again in this group (more loads are
-        open than results on their way), where the work can run instead.  Only for a group's
-        collect (``acquire_as_ready``): an ``acquire_many`` waits once a batch, so the work
-        put off would come after the next batch started, too late (see
-        ``Prefetcher._policy_batch_end``)."""
-        felt = self._felt
-        if not felt:
-            return False
-        open_loads = sum(1 for f in felt if not f.done())
-        on_the_way = self._loader.undelivered()
-        return (on_the_way > 0 or open_loads < len(felt)) and open_loads > on_the_way
-
-    def _wait_starts(self) -> float:
-        """One more acquire waits: the felt wait runs from the first; the time now."""
-        now = _clock.now()
-        if self._waiting == 0:
-            self._wait_since = now
-        self._waiting += 1
-        return now
-
-    def _wait_ends(self) -> float:
-        """One acquire stopped waiting: the felt wait adds its interval at the last; the time
-        now."""
-        self._waiting -= 1
-        now = _clock.now()
-        if self._waiting == 0:
-            self.felt_wait_s += now - self._wait_since
-        return now
+        return loaded
 
     def _lease(self, entry: Entry) -> None:
         self._table.lease(entry)
@@ -318,25 +271,14 @@ class Acquirer:
         self._prefetcher.batch_done()
 
     def thread_takes(self, taker: ThreadArrivals) -> None:
-        self._takers.append(taker)
+        self._felt.thread_takes(taker)
 
     def thread_done(self, taker: ThreadArrivals) -> None:
-        self._takers.remove(taker)
-        self.felt_wait_s += taker.blocked_s(_clock.now())
-
-    def _engine_waiting(self) -> bool:
-        """Whether the engine waits for a load now: an acquire on the loop, or a thread of
-        its blocked for a group's batch."""
-        return self._waiting > 0 or any(taker.blocked for taker in self._takers)
+        self._felt.thread_done(taker)
 
     def felt_so_far(self) -> float:
-        """The felt wait up to now: the waits ended, the one running, and the blocked time of
-        the threads taking batches (the stats add those at the group's exit)."""
-        now = _clock.now()
-        felt = self.felt_wait_s + (now - self._wait_since if self._waiting else 0.0)
-        for taker in self._takers:
-            felt += taker.blocked_s(now)
-        return felt
+        """The engine's felt wait up to now (:meth:`FeltWait.felt_so_far`)."""
+        return self._felt.felt_so_far()
 
 
 class GroupWait:
@@ -387,7 +329,7 @@ class GroupWait:
                     acquirer._lease(entry)
                     self._done.append((i, entry))
                     continue
-                self._joined[i] = entry, acquirer._join(entry)
+                self._joined[i] = entry, acquirer._join(entry, key)
         except BaseException:
             self._drop()
             raise
@@ -442,16 +384,16 @@ class GroupWait:
         waits = [cast("asyncio.Future[object]", f) for _, f in self._joined.values()]
         waits += [cast("asyncio.Future[object]", t) for t in self._parked.values()]
         if waits and (every or not (self._done or any(w.done() for w in waits))):
-            acquirer = self._acquirer
+            engine = self._acquirer._felt
             if felt:
-                acquirer._wait_starts()
-                acquirer._felt = waits
+                engine.starts()
+                engine.awaiting(waits)
             try:  # asyncio.wait cancels nothing it waits for when cancelled
                 await asyncio.wait(waits, return_when=asyncio.ALL_COMPLETED if every else asyncio.FIRST_COMPLETED)
             finally:
                 if felt:
-                    acquirer._felt = []
-                    acquirer._wait_ends()
+                    engine.awaiting([])
+                    engine.ends()
         return self.collect_done()
 
     async def abandon(self) -> None:

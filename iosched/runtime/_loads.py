@@ -7,9 +7,11 @@ entry.  A failed load removes its reservation, returns its slab and hands a
 :class:`StoreError` to every waiter; the next acquire of that key tries again.
 
 Each load in flight has an :class:`InFlight` record: the future its waiters await and the
-:class:`Ticket` its reads are queued with (a demand that joins a prefetch promotes it).
-Entries of the residency table carry their memory as a :class:`Loaded` payload, set at
-publish time and taken back by :meth:`Loader.free` once the entry left the table.
+:class:`Ticket` its reads are queued with (a demand that joins a prefetch promotes it:
+:meth:`Loader.join`).  Entries of the residency table carry their memory as a :class:`Loaded`
+payload, set at publish time and taken back by :meth:`Loader.free` once the entry left the
+table.  Every way out of the table passes here (a failed load, a transient entry dropped, an
+eviction: :meth:`Loader.evicted`), so the prefetch ledger hears of each from here alone.
 
 Where the bytes came from (``docs/telemetry.md``): a demand load that the backend shows was
 served wholly by the page cache counts in ``page_cache_misses``, any other in
@@ -78,6 +80,8 @@ class Loader:
         self.tasks: set[asyncio.Task[Any]] = set()
         """Loads and hints in flight: ``close()`` waits for them."""
         self.in_flight: dict[ExpertKey, InFlight] = {}
+        self.promoted = 0
+        """Prefetch loads a demand acquire joined (:meth:`join`)."""
         self.load_errors = 0
         self.service_s = 0.0
         self.page_cache_misses = 0
@@ -115,6 +119,15 @@ class Loader:
             self.pool.trim(self.headroom())
         self._spawn(self._load(entry, layout, record, plan, slab))
         return record
+
+    def join(self, key: ExpertKey) -> asyncio.Future[None]:
+        """The future of ``key``'s load in flight, for a demand acquire that waits for it: a
+        prefetch's reads are promoted to demand priority (they jump the queue)."""
+        record = self.in_flight[key]
+        if record.ticket.priority != DEMAND:
+            record.ticket.promote()
+            self.promoted += 1
+        return record.future
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -207,6 +220,11 @@ class Loader:
             self.free(entry)
         if self._room:
             self._room.wake()
+
+    def evicted(self, entry: Entry) -> None:
+        """The table evicted ``entry``: tell the ledger, give back its memory."""
+        self._ledger.left(entry)
+        self.free(entry)
 
     def free(self, entry: Entry) -> None:
         """Give back the memory of ``entry``, which left the table.

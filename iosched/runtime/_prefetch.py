@@ -20,7 +20,7 @@ and the work, queued at the group's entry, used to run first in the next one, ah
 read results that finished while the engine computed and whose callbacks queued behind it:
 the engine resumed ~200 µs late in 28 % of qwen's batches at one token cycle (session 40).
 So when the engine's wait has a result on its way and the engine will wait again in that
-group (``Acquirer._engine_resumes_first``), the work lets it resume first, a turn of the
+group (``EngineWait.engine_resumes_first``), the work lets it resume first, a turn of the
 loop at a time (:data:`PUT_OFF_TURNS_MAX`), and runs in a later wait of the group.  Measured
 (session 41, docs/benchmarks.md): the held time fell only 77 -> 71 ms over 32 tokens and
 tokens/s did not move beyond noise, since most held cases are a group's last wait, where the
@@ -38,7 +38,7 @@ import ctypes
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -115,7 +115,7 @@ def release_gil() -> None:
     numpy a layer on the main thread) the compute took 8.45-8.52 ms a layer with none, one or
     two hand-overs (docs/residency-notebook.md, session 38).
 
-    Only while no acquire waits (``Prefetcher.engine_waiting``): with the engine computing on
+    Only while no acquire waits (``EngineWait.engine_waiting``): with the engine computing on
     the loop, the batch-end work runs while the engine awaits its reads, and there each
     hand-over let the readers' threads take the GIL first and delayed waking the engine (the
     felt wait 13 ms a token longer, qwen, 4 TD, O_DIRECT: 0.93x ``lru`` against 0.97x
@@ -138,6 +138,22 @@ its way reaches the engine in four (the worker's post, the read's coroutine, the
 future, ``asyncio.wait``'s callback), two more through a ``gather`` of a load's spans; several
 results travel in the same turns.  Past this (results that keep arriving for other readers,
 prefetches) the work runs anyway: each turn is a few microseconds, the work ~200."""
+
+
+class EngineWait(Protocol):
+    """What the prefetcher asks about the engine's wait, to place the policy's batch-end work
+    (implemented by :class:`~iosched.runtime._felt.FeltWait`)."""
+
+    def engine_waiting(self) -> bool:
+        """Whether the engine waits for a load now: an acquire awaits one, or a thread of the
+        engine's blocks for a group's batch."""
+
+    def felt_so_far(self) -> float:
+        """The engine's felt wait up to now, the wait in progress included."""
+
+    def engine_resumes_first(self) -> bool:
+        """Whether the engine's wait is about to end and it will wait again in this batch, so
+        that the batch-end work is better run then."""
 
 
 class PrefetchLedger:
@@ -176,9 +192,10 @@ class Prefetcher:
 
     def __init__(self, table: ResidencyTable, layouts: Mapping[ExpertKey, ExpertLayout],
                  start_load: Callable[[Entry, ExpertLayout], object], ledger: PrefetchLedger,
-                 counts: RequestCounts, lifecycle: Lifecycle, *, token_budget_bytes: int | None,
-                 pacer: IdlePacer | None) -> None:
-        """``start_load(entry, layout)`` starts a prefetch-priority load of a reserved entry."""
+                 counts: RequestCounts, lifecycle: Lifecycle, engine: EngineWait, *,
+                 token_budget_bytes: int | None, pacer: IdlePacer | None) -> None:
+        """``start_load(entry, layout)`` starts a prefetch-priority load of a reserved entry;
+        ``engine`` says how the engine waits (the batch-end work runs around its waits)."""
         self._table = table
         self._hooks: Hooks = table.hooks
         self._layouts = layouts
@@ -186,21 +203,13 @@ class Prefetcher:
         self._ledger = ledger
         self._counts = counts
         self._lifecycle = lifecycle
+        self._engine = engine
         self.token_budget_bytes = token_budget_bytes
         self.pacer = pacer
         self.proposing = self._hooks.end_batch is not None
         """Whether the policy has batch-end work (and may propose prefetches)."""
         self._batch_end_at: int | None = None
         """``requests`` when the last ``acquire_many`` completed, until the policy was told."""
-        self.engine_waiting: Callable[[], bool] = lambda: False
-        """Whether the engine waits for a load now: an acquire awaits one, or a thread of the
-        engine's blocks for a group's batch (the store's :class:`Acquirer` sets it)."""
-        self.felt_so_far: Callable[[], float] = lambda: 0.0
-        """The engine's felt wait up to now, the wait in progress included (the
-        :class:`Acquirer` sets it): what of the batch-end work ran inside it."""
-        self.engine_resumes_first: Callable[[], bool] = lambda: False
-        """Whether the engine's wait is about to end and it will wait again in this batch, so
-        that the batch-end work is better run then (the :class:`Acquirer` sets it)."""
         self._turns_put_off = 0
         """Turns of the loop the batch-end work in view was put off (:data:`PUT_OFF_TURNS_MAX`)."""
         self.put_off = 0
@@ -209,8 +218,6 @@ class Prefetcher:
         """Bytes prefetch started since the last token boundary."""
         self.issued = self.dropped = 0
         self.refused = self.refused_bytes = 0
-        self.promoted = 0
-        """Prefetch loads a demand acquire joined."""
         self.policy_batches = 0
         """Batches after which the policy proposed prefetches."""
         self.work_in_felt_s = 0.0
@@ -265,7 +272,7 @@ class Prefetcher:
     def _policy_batch_end(self) -> None:
         if self._lifecycle.closed or self._batch_end_at != self._counts.requests:
             return  # the next batch began first (see the module docstring)
-        if self._turns_put_off < PUT_OFF_TURNS_MAX and self.engine_resumes_first():
+        if self._turns_put_off < PUT_OFF_TURNS_MAX and self._engine.engine_resumes_first():
             # The engine computes on the loop and its felt wait began with a result already
             # on its way: run after it, at the engine's next wait (module docstring).
             if not self._turns_put_off:
@@ -279,10 +286,11 @@ class Prefetcher:
         end_batch, prepare = self._hooks.end_batch, self._hooks.prepare
         if end_batch is None or not self.proposing:
             return
-        waiting = self.engine_waiting()
+        waiting = self._engine.engine_waiting()
         if not waiting:  # (release_gil: why, why once, and why not then)
             release_gil()  # the engine's compute thread, just handed its layer, goes first
-        felt = self.felt_so_far if self._hooks.set_felt_wait is not None else None  # (only such a policy reads it)
+        # the felt wait, for a policy that reads it only
+        felt = self._engine.felt_so_far if self._hooks.set_felt_wait is not None else None
         felt_before = felt() if felt is not None else 0.0
         try:
             wanted = end_batch()

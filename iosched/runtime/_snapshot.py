@@ -1,7 +1,7 @@
 """Assembling :class:`~iosched.runtime._stats.StoreStats` from the store's parts.
 
-Each part keeps its own live counters (the acquire path its :class:`RequestCounts` and felt
-wait, the loader its load outcomes, the prefetcher and its ledger theirs, the read path its
+Each part keeps its own live counters (the acquire path its :class:`RequestCounts`, the felt
+wait its seconds, the loader its load outcomes, the prefetcher and its ledger theirs, the read path its
 per-drive and per-replica counters, the table its admissions); :func:`snapshot` reads them
 all at one instant into one frozen record.  Nothing here runs on the hot path: engines call
 ``stats()`` per token at most.
@@ -19,6 +19,7 @@ from iosched.residency import EntryState, Hooks, ResidencyTable
 
 from ._acquire import Acquirer
 from ._autogrow import AutoGrow
+from ._felt import FeltWait
 from ._io import ReadPath
 from ._loads import Loader
 from ._prefetch import Prefetcher, PrefetchLedger
@@ -47,7 +48,7 @@ def _loop_name() -> str:
 
 
 def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acquirer: Acquirer,
-             loader: Loader, prefetcher: Prefetcher, ledger: PrefetchLedger, growth: AutoGrow | None,
+             felt: FeltWait, loader: Loader, prefetcher: Prefetcher, ledger: PrefetchLedger, growth: AutoGrow | None,
              usage: UsageHistory | None, described: Described, routing_rows: int,
              tokens: int) -> StoreStats:
     """Every counter of the store, now."""
@@ -66,7 +67,7 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         leased=sum(1 for e in entries if e.leases),
         loading=sum(1 for e in entries if e.state is EntryState.LOADING),
         admissions=table.admissions, rejections=table.rejections, evictions=table.evictions,
-        felt_wait_s=acquirer.felt_wait_s, service_s=loader.service_s,
+        felt_wait_s=felt.felt_wait_s, service_s=loader.service_s,
         per_device=types.MappingProxyType({n: d.snapshot() for n, d in io.devices.items()}),
         resident_experts=sum(1 for e in entries if e.state is EntryState.RESIDENT),
         load_errors=loader.load_errors,
@@ -77,7 +78,7 @@ def snapshot(*, index: CheckpointIndex, table: ResidencyTable, io: ReadPath, acq
         prefetch_issued=prefetcher.issued, prefetch_dropped=prefetcher.dropped,
         prefetch_used=ledger.used, prefetch_wasted=ledger.wasted, prefetch_failed=ledger.failed,
         prefetch_unused=len(ledger.unused), prefetch_refused=prefetcher.refused,
-        prefetch_refused_bytes=prefetcher.refused_bytes, prefetch_promoted=prefetcher.promoted,
+        prefetch_refused_bytes=prefetcher.refused_bytes, prefetch_promoted=loader.promoted,
         prefetch_guard_refusals=table.refused_prefetches,
         prefetch_paced_bytes=None if pacer is None else pacer.granted_bytes,
         prefetch_paced_refusals=None if pacer is None else pacer.refused,

@@ -6,6 +6,7 @@ data path in prose):
 * ``_open``: ``open()``'s arguments checked, the index read, the budget sized, the backend
   opened behind the read path (``_io``);
 * ``_acquire``: the hit path, the wait for a load or for room, releases (what a lease asks);
+* ``_felt``: the engine's felt wait, which the acquires make up and the prefetcher reads;
 * ``_loads``: reading a reserved expert into a slab, publishing it, freeing it;
 * ``_prefetch``: the engine's and the policy's prefetches, and the ledger of their outcome;
 * ``_autogrow`` and ``_usage``: ``budget_bytes="auto"``'s growth, the policy's history file;
@@ -34,6 +35,7 @@ from iosched.residency import Capability, Entry, ModelShape, Policy, ResidencyTa
 from . import _clock, _routing, _sizing
 from ._acquire import Acquirer
 from ._autogrow import AutoGrow
+from ._felt import FeltWait
 from ._lease import ArrivalGroup, Lease, LeaseGroup
 from ._loads import Loader
 from ._open import OpenArgs, StoreParts, assemble
@@ -121,18 +123,19 @@ class ExpertStore:
         self._ledger = PrefetchLedger(lifecycle)
         self._loader = loader = Loader(table, io, self._ledger, self._room)
         counts = RequestCounts()
+        self._felt = felt = FeltWait(loader.undelivered)
         pacing = _settings.get("prefetch_pacing") == "idle"  # the policy's proposals, the engine's expect
         self._prefetcher = Prefetcher(
             table, index.experts, lambda entry, layout: loader.start(entry, layout, PREFETCH), self._ledger,
-            counts, lifecycle, token_budget_bytes=parts.token_budget_bytes,
+            counts, lifecycle, felt, token_budget_bytes=parts.token_budget_bytes,
             pacer=IdlePacer(io.drive_usage) if pacing else None)
         self._growth = (None if parts.growth is None
                         else AutoGrow(parts.growth, table, loader.pool, self._room, lifecycle))
         self._acquirer = Acquirer(index, table, loader, self._prefetcher, self._ledger, self._room, lifecycle,
-                                  counts, self._growth, owner=self._check_loop)
+                                  counts, self._growth, felt, owner=self._check_loop)
         if table.hooks.set_felt_wait is not None:  # a policy that weighs its own CPU against the felt wait
-            acquirer, prefetcher = self._acquirer, self._prefetcher  # (less its own work inside it)
-            table.hooks.set_felt_wait(lambda: acquirer.felt_so_far() - prefetcher.work_in_felt_s)
+            prefetcher = self._prefetcher  # (less its own work inside it)
+            table.hooks.set_felt_wait(lambda: felt.felt_so_far() - prefetcher.work_in_felt_s)
         table.set_on_evict(self._on_evict)
         self._telemetry = parts.telemetry
         self._usage: UsageHistory | None = None
@@ -288,7 +291,7 @@ class ExpertStore:
     @property
     def request_tally(self) -> RequestTally:
         """How acquires were served so far, without building the whole :meth:`statistics`."""
-        return self._acquirer.counts.snapshot(self._acquirer.felt_wait_s)
+        return self._acquirer.counts.snapshot(self._felt.felt_wait_s)
 
     def acquire(self, key: ExpertKey) -> Lease:
         """``async with store.acquire((layer, expert)) as view``; see :class:`Lease`."""
@@ -422,7 +425,7 @@ class ExpertStore:
         if _thread_ident() == self._thread:
             self._loader.reclaim()
         return snapshot(index=self._index, table=self._table, io=self._io, acquirer=self._acquirer,
-                        loader=self._loader, prefetcher=self._prefetcher, ledger=self._ledger,
+                        felt=self._felt, loader=self._loader, prefetcher=self._prefetcher, ledger=self._ledger,
                         growth=self._growth, usage=self._usage, described=self._described,
                         routing_rows=self._routing_rows, tokens=self._tokens)
 
@@ -464,7 +467,6 @@ class ExpertStore:
                          f"{threading.current_thread().name!r}: open one store per loop")
 
     def _on_evict(self, entry: Entry) -> None:
-        self._ledger.left(entry)
-        self._loader.free(entry)
+        self._loader.evicted(entry)
         if self._growth is not None:
             self._growth.evicted(entry)
