@@ -47,7 +47,7 @@ THROTTLE_BURST_S = 0.002
 burst (50 ms) let the reads after each layer's compute through at the real drive's speed,
 which made a 400 MB/s throttle deliver 500 MB/s in decode (measured on the development VM)."""
 DEFAULT_COMPUTE_MS = 1.0
-"""The emulated compute of ``--compute-ms`` (``sleep:1``), before real compute was the default."""
+"""A layer's emulated compute in milliseconds, ``--compute-ms``'s ``sleep:1``."""
 
 # ---------------------------------------------------------------------------------------------
 # real I/O

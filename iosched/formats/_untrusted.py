@@ -18,8 +18,8 @@ layout (a new one gets it by calling them):
 * **Bounded JSON** (:func:`parse_json`): every way ``json.loads`` can fail on hostile input
   (bad UTF-8, bad syntax, an integer of more than 4300 digits, nesting deeper than the
   interpreter's recursion limit) is a :class:`CheckpointError` naming the file. Its peak memory
-  is at most about 26 bytes per input byte (measured with ``tracemalloc`` on the worst shape
-  we found, a list of empty objects ``[{},{},...]``; a real safetensors header takes about 6.5),
+  is at most about 26 bytes per input byte (``tracemalloc``, on the worst shape known, a list
+  of empty objects ``[{},{},...]``; a real safetensors header takes about 6.5),
   so the caps on what is parsed bound it.
 * **No quoting of unaccepted bytes.** Messages about a file that is not (yet) accepted as a
   checkpoint file name the file and its size, never values decoded from its bytes; values

@@ -251,8 +251,8 @@ class ArrivalGroup:
                     # just started are tasks (and io_uring submits a turn's reads at the next
                     # turn), and an engine that computes on the loop would hold them
                     # unsubmitted until its next await, its reads then following its compute
-                    # instead of beside it (docs/benchmarks.md, "Compute on what is at hand";
-                    # with io_uring one turn left them queued: the felt wait 3x, session 33).
+                    # instead of beside it (docs/benchmarks.md, "Compute on what is at hand":
+                    # with io_uring, no turn left them queued and tripled the felt wait).
                     # Only while some experts are at hand: else the engine's first
                     # ``__anext__`` awaits at once.
                     await source.submitted()
@@ -293,12 +293,11 @@ class ArrivalGroup:
 
         Why: an engine whose compute runs in a thread would otherwise hand each batch over
         with its own round trip between the loop and that thread (``run_in_executor``: a
-        submit, a wake-up, a result back through the loop's self-pipe): 51 us apiece on
-        uvloop, 57 on asyncio, on this project's 2-vCPU VM with nothing else running (5,000
-        empty calls, session 45), and as many a layer as batches land apart.  Here the
-        thread blocks on a queue that the loop fills as each load finishes (a done callback
-        on the load, no task step): one round trip a layer (docs/benchmarks.md, "Batches
-        handed to the compute thread").  The time the thread
+        submit, a wake-up, a result back through the loop's self-pipe), as many a layer as
+        batches land apart.  Here the thread blocks on a queue that the loop fills as each load
+        finishes (a done callback on the load, no task step): one round trip a layer
+        (docs/benchmarks.md, "Batches handed to the compute thread": a round trip costs 51 us
+        on uvloop, 57 on asyncio).  The time the thread
         blocks counts as felt wait, as an ``__anext__``'s await does: the store sees it while
         it runs (the policy's batch-end work inside it is left out of what the policy is
         told, and hands no GIL over to a thread that waits)."""

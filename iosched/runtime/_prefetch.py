@@ -16,15 +16,14 @@ engine should be computing meanwhile.  If the next batch begins first, the work 
 batch itself, and prefetches for the layer already requested would come too late.
 
 An engine computing on the loop (``acquire_as_ready``) gives the loop its felt waits only,
-and the work, queued at the group's entry, used to run first in the next one, ahead of the
-read results that finished while the engine computed and whose callbacks queued behind it:
-the engine resumed ~200 µs late in 28 % of qwen's batches at one token cycle (session 40).
-So when the engine's wait has a result on its way and the engine will wait again in that
-group (``EngineWait.engine_resumes_first``), the work lets it resume first, a turn of the
-loop at a time (:data:`PUT_OFF_TURNS_MAX`), and runs in a later wait of the group.  Measured
-(session 41, docs/benchmarks.md): the held time fell only 77 -> 71 ms over 32 tokens and
-tokens/s did not move beyond noise, since most held cases are a group's last wait, where the
-work cannot be put off without being skipped.
+and work queued at the group's entry would run first in the next one, ahead of the read
+results that finished while the engine computed (the engine resumed ~200 µs late in 28 % of
+qwen's batches at one token cycle).  So when the engine's wait has a result on its way and
+the engine will wait again in that group (``EngineWait.engine_resumes_first``), the work lets
+it resume first, a turn of the loop at a time (:data:`PUT_OFF_TURNS_MAX`), and runs in a
+later wait of the group.  docs/benchmarks.md, "Letting a result on its way through before the
+batch-end work": held time 77 -> 71 ms over 32 tokens, tokens/s within noise (most held cases
+are a group's last wait, where the work cannot be put off without being skipped).
 
 What a prefetch may use: within the per-token byte budget (``token_budget_bytes``), the
 bytes the drives' idle time can absorb (``iosched/runtime/_pacing.py``, when pacing is on), and only
@@ -76,50 +75,32 @@ _PRCTL = _timer_slack_control()
 
 HANDOVER_SLACK_NS = 1
 """The calling thread's timer slack during a hand-over (:func:`release_gil`), then put back:
-the kernel's default, 50 us, stretches a ``sleep(0)`` to 88-141 us on the 2-vCPU VMs; at 1 ns
-it takes 19-35 us (the three ``prctl`` calls included), and the compute thread still gets the
-GIL (session 36's harness: the compute thread's 300 layers took the same 235-256 ms with
-either slack)."""
+the kernel's default, 50 us, stretches a ``sleep(0)`` to 88-141 us on a 2-vCPU VM; at 1 ns it
+takes 19-35 us with the three ``prctl`` calls, and the compute thread still gets the GIL
+(docs/residency-notebook.md, "The hand-over's timer slack": 300 layers in 235-256 ms either way)."""
 
 
 def release_gil() -> None:
-    """Let the threads waiting for the GIL run: ``time.sleep(0)`` releases it for one
-    ``clock_nanosleep`` of zero, long enough for a waiting thread to take it (``os.sched_yield``
-    costs 0.25 us but gives the GIL back only after the other thread's switch interval, 5 ms).
-    The kernel's timer slack (50 us by default) stretches that sleep to 88-95 us on the 2-vCPU
-    Intel Xeon VM and 95-141 us on the AMD EPYC VM: two a batch end were ~9 ms a token of the
-    loop asleep at 48 layers.  So the hand-over runs with the thread's slack at
-    :data:`HANDOVER_SLACK_NS` and puts it back after: 26-35 us a hand-over on the AMD EPYC VM
-    (session 37; where ``prctl`` is missing, the plain sleep).
+    """Let the threads waiting for the GIL run, once a batch end, before the policy's work.
 
     Why: the batch-end work runs on the event loop while the engine computes in a thread, and
     that thread needs the GIL between its numpy calls.  A thread that asks for it waits until
     its holder lets go (CPython forces a switch only after ``sys.getswitchinterval()``, 5 ms),
     so one uninterrupted stretch of Python on the loop holds the compute up for its whole
-    length.  Measured on the 2-core VM: a thread of matvecs beside 300 us of Python every 2 ms
-    took 10-13 % longer, 1 % when the same Python let go every 100 us.  In paired real runs
-    (qwen, 32 tokens, compute in a thread, session 33) ``default``'s token time outside its
-    compute and felt wait exceeded ``lru``'s by 4-9 ms with the hand-over against 10-20 ms
-    without (io_uring, 1 and 4 TD), and was 1.5-6.5 ms shorter with it (O_DIRECT threads).
+    length (a thread of matvecs beside 300 us of Python every 2 ms: 10-13 % slower, 1 % when
+    the Python lets go every 100 us).  Once suffices: it lets the compute thread start its layer
+    before the pure-Python visit, and what follows is mostly numpy calls, of which those that
+    release the GIL (sorts, loops over more than 500 elements) let the thread in anyway.  Only
+    while the engine does not wait (``EngineWait.engine_waiting``): with the engine computing
+    on the loop, a hand-over lets the readers' threads take the GIL first and delays waking the
+    engine.  docs/residency-notebook.md, "The GIL, io_uring's submission turn": ``default``'s
+    token time outside compute and felt wait 4-9 ms over ``lru``'s with it, 10-20 without.
 
-    Once a batch end, before the policy's work (until session 38 also between ``end_batch``
-    and the proposals with ``prepare``): the first lets the compute thread start its layer
-    before the pure-Python visit; what follows is mostly numpy calls, and those that release
-    the GIL (sorts, loops over more than 500 elements) let the compute thread in anyway.
-    Measured (session 38, AMD EPYC VM): without the second, the critical path's qwen 3000 MB/s,
-    1 ms a layer, 4 TD cell charged ``default`` 1.5 ms a token less CPU (three runs each); real
-    runs, qwen, compute in a thread, 64 tokens, three paired rounds of each tree: ``default``
-    / ``lru`` 1.000, 1.002, 1.014 without against 0.984, 1.012, 1.017 with at 1 TD, 1.000,
-    1.016, 1.013 against 1.019, 1.009, 1.013 at 4 TD (no difference beyond the rounds'
-    spread); and in a harness (a compute thread of the replay's expert MLPs beside 250 us of
-    numpy a layer on the main thread) the compute took 8.45-8.52 ms a layer with none, one or
-    two hand-overs (docs/residency-notebook.md, session 38).
-
-    Only while no acquire waits (``EngineWait.engine_waiting``): with the engine computing on
-    the loop, the batch-end work runs while the engine awaits its reads, and there each
-    hand-over let the readers' threads take the GIL first and delayed waking the engine (the
-    felt wait 13 ms a token longer, qwen, 4 TD, O_DIRECT: 0.93x ``lru`` against 0.97x
-    without; with the condition 0.97x, session 33, docs/residency-notebook.md)."""
+    How: ``time.sleep(0)`` releases the GIL for one ``clock_nanosleep`` of zero, long enough
+    for a waiting thread to take it (``os.sched_yield`` gives it back only after the other
+    thread's switch interval); the thread's timer slack is set to :data:`HANDOVER_SLACK_NS`
+    around it, or the kernel stretches the sleep to ~0.1 ms.  Where ``prctl`` is missing, the
+    plain sleep."""
     prctl = _PRCTL
     slack = prctl(_PR_GET_TIMERSLACK, 0) if prctl is not None else 0
     if prctl is None or slack <= 0:  # no prctl, or the call failed: leave the slack alone

@@ -18,20 +18,20 @@ every free slot moved 73 % more bytes than LRU and raised the felt wait per toke
 one token cycle, though they doubled the hit rate; the drive was the bottleneck, and a
 prefetch competing with demand for it delays the very reads it was meant to spare.
 
-Each drive also admits at most ``inflight_bytes`` of reads at once (the setting of that name;
-a read larger than it starts alone when nothing else is in flight).  Why: reads in flight
-share the drive's bandwidth and finish together (processor sharing), while an engine computing
-each expert as it lands (``acquire_as_ready``) could have started on the first one long before
-the last; served one after another (first come, first served), the first of a layer's ``n``
-misses lands after about ``1/n`` of the time and the compute overlaps the rest.  Measured on
-the development VM's virtio disk (session 46, docs/benchmarks.md): 2.25 MiB experts, one token
-cycle, compute in a thread, eight reads in flight: the felt wait 84-100 ms a token; capped at
-one or two experts' bytes 42-45 ms.  Smaller reads still go several at once, as many as fill
-the cap (576 KiB experts: three), since one alone leaves the drive's latency bare.  The reads of
-an ``acquire_many`` group, which its engine awaits whole, pass the cap (``Ticket.ordered``
-false; only ``queue_depth`` holds them): order buys them nothing, and one read at a time moved
-8-17 % fewer MB/s at 2.5 MiB (``iosched bench-readpath``) and cost an engine awaiting whole
-layers 3-4 % of its tokens/s (session 46).  Capped reads still wait behind them, in order.
+Each drive also admits at most ``inflight_bytes`` of reads at once (the setting of that name; a
+read larger than it starts alone when nothing else is in flight).  Why: reads in flight share
+the drive's bandwidth and finish together (processor sharing), while an engine computing each
+expert as it lands (``acquire_as_ready``) could have started on the first one long before the
+last; served one after another (first come, first served), the first of a layer's ``n`` misses
+lands after about ``1/n`` of the time and the compute overlaps the rest (docs/benchmarks.md,
+"One expert at a time on the drive": 2.25 MiB experts, one token cycle, felt wait 84-100 ms a
+token with eight reads in flight, 42-45 ms capped).  Smaller reads still go several at once, as
+many as fill the cap (576 KiB experts: three), since one alone leaves the drive's latency bare.
+The reads of an ``acquire_many`` group, which its engine awaits whole, pass the cap
+(``Ticket.ordered`` false; only ``queue_depth`` holds them): order buys them nothing, and one
+read at a time moved 8-17 % fewer MB/s at 2.5 MiB (``iosched bench-readpath``) and cost an
+engine awaiting whole layers 3-4 % of its tokens/s (same section).  Capped reads still wait
+behind them, in order.
 
 A demand acquire that joins a queued prefetch *promotes* it (:meth:`Ticket.promote`): its reads
 jump the queue instead of a second read being issued.

@@ -87,13 +87,12 @@ class Slab:
     on a 2 MiB boundary, its whole 2 MiB pieces advised ``MADV_HUGEPAGE``.  An O_DIRECT read
     into 4 KiB pages hands the block layer one segment per page that is not physically next to
     the one before (a virtio disk takes at most 254 a request,
-    ``/sys/block/*/queue/max_segments``), so a 2.25 MiB expert read into a fresh
-    shared mapping (``mmap.mmap(-1, n)``'s default, the pool's until session 42) became
-    several requests, and how many depended on where the kernel happened to put the pages:
-    persistent for a slab's life, different from one run to the next.  Measured (session 42,
-    the AMD EPYC VM, 8 threads of 2.25 MiB ``preadv`` at random offsets of the qwen
-    checkpoint, O_DIRECT, 6 interleaved rounds of 160 reads): into shared 4 KiB pages 916
-    MB/s (median), private 4 KiB pages 1,030, private with huge pages 1,716 (1.87x).
+    ``/sys/block/*/queue/max_segments``), so a 2.25 MiB expert read into a shared mapping of
+    4 KiB pages (``mmap.mmap(-1, n)``'s default) becomes several requests, and how many
+    depends on where the kernel happened to put the pages: persistent for a slab's life,
+    different from one run to the next.  docs/benchmarks.md, "Huge pages under the slabs"
+    (2.25 MiB O_DIRECT reads, 8 threads): shared 4 KiB pages 916 MB/s, private 1,030, private
+    with huge pages 1,716.
     Without a boundary inside it a mapping holds no huge page, hence the start moved to one:
     the mapping is made ``2 MiB - 4 KiB`` longer, then shrunk to end where the buffer ends,
     so the head before ``base`` is never touched (no memory) and no huge page reaches past the

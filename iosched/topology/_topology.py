@@ -1,4 +1,4 @@
-"""Which drive holds a file, its queue settings, and how fast it reads: issue #4's topology.
+"""Which drive holds a file, its queue settings, and how fast it reads.
 
 Mapping rules (``docs/topology.md`` has the full story):
 
@@ -563,8 +563,8 @@ def suggest_inflight_bytes(mbps_qd1: float | None, mbps_qd: float | None, qd: in
     probe's read size ``bs``.  Little's law again, in bytes: that many bytes in flight already
     move the drive's bandwidth, and more only share it, so that reads finish together instead
     of one after another (``iosched/runtime/_scheduler.py``).  ``None`` without a probe (the setting
-    then applies).  On the development VM (576 KiB probe: 1,312 MB/s at depth 1, 1,848 at 8)
-    this gives 3 x 576 KiB, the cap that read 576 KiB experts fastest there (session 46)."""
+    then applies).  docs/topology.md: a 576 KiB probe of 1,312 MB/s at depth 1 and 1,848 at 8
+    gives 3 x 576 KiB, the cap that read 576 KiB experts fastest on that drive."""
     if not (mbps_qd1 and mbps_qd and mbps_qd1 > 0):
         return None
     return suggest_queue_depth(mbps_qd1, mbps_qd, qd, nr_requests) * bs
