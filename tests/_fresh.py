@@ -33,7 +33,7 @@ THIRD_PARTY = ("numpy", "safetensors", "gguf", "rich", "aiofiles", "ml_dtypes", 
 """The runtime dependencies (pyproject.toml), imported by the server where installed."""
 
 _SERVER = r"""
-import ast, builtins, importlib, importlib.util, json, os, py_compile, sys, tempfile, time, traceback
+import ast, builtins, importlib, importlib.util, json, os, py_compile, shutil, sys, tempfile, time, traceback
 
 ROOT, THIRD_PARTY = os.getcwd(), json.loads(sys.argv[1])
 sys.argv[1:] = []  # as `python -c STATEMENT` has it
@@ -137,6 +137,7 @@ jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 for line in sys.stdin:
     request = json.loads(line)
     print(json.dumps(run(request["statements"], request["timeout"], max(2, jobs))), flush=True)
+shutil.rmtree(sys.pycache_prefix, ignore_errors=True)
 """
 
 
