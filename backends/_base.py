@@ -26,7 +26,7 @@ A backend that hands completions to the event loop through a queue (a worker thr
 an io_uring CQE) may also have ``undelivered()``: the reads that finished whose awaiting
 coroutine has not resumed yet.  The core looks it up once with :func:`undelivered_counter`
 (``0`` for a backend without it) and lets those results through before batch-end work that
-can wait (``iosched/_prefetch.py``); wrappers forward it.
+can wait (``iosched/runtime/_prefetch.py``); wrappers forward it.
 
 A backend that can tell whether a read was served from the page cache also has
 ``read_tiered`` (and, zero-copy, ``map_tiered``), see :class:`TieredBackend`; the core calls

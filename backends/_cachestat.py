@@ -3,15 +3,13 @@
 Why it exists: ``preadv2(RWF_NOWAIT)`` alone cannot tell a cached read from a drive read.
 ``RWF_NOWAIT`` sets ``IOCB_NOWAIT``, not ``IOCB_NOIO``, so on a miss the kernel still starts
 readahead before it gives up, and a fast drive can finish that I/O while the call is still
-looking: the read then comes back whole and looks cached.  Measured on the development VM
-(virtio disk, Linux 6.18), 2026-12-02: 2 of 40 reads of 512 KiB right after
-``POSIX_FADV_DONTNEED`` came back whole from ``RWF_NOWAIT``, and the conformance test
-``test_page_cache_tier`` failed on it in 2 of 11 runs with a test suite running beside it.
+looking: the read then comes back whole and looks cached (on a virtio disk, 2 of 40 reads of
+512 KiB right after ``POSIX_FADV_DONTNEED`` came back whole from ``RWF_NOWAIT``).
 ``cachestat(2)`` (Linux 6.5) counts the range's cached pages and never reads.
 
 No library exposes it (``os`` has no ``cachestat`` up to Python 3.13), hence the ``ctypes``
-call.  Cost: about 6 µs a call through ``ctypes`` on the development VM (10,000 calls), in
-the backend's worker thread, against the hundreds of µs of the 0.5 MiB read it gates.
+call.  Cost: about 6 µs a call through ``ctypes``, in the backend's worker thread, against the
+hundreds of µs of the 0.5 MiB read it gates.
 """
 
 from __future__ import annotations

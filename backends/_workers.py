@@ -1,19 +1,18 @@
 """``Workers``: a fixed set of threads running a backend's blocking calls for the event loop.
 
-Why not ``loop.run_in_executor`` on a ``ThreadPoolExecutor`` (what the thread backends used
-before): at the demo's 36 KiB experts, served by the page cache in a few microseconds, the
-executor's machinery was most of a read's cost.  Each read made a ``concurrent.futures.Future``
-(a ``threading.Condition`` each, taken on both threads), chained it into an asyncio future
-(``wrap_future``, ``_chain_future``, ``_copy_future_state``), and ``run_to_completion`` wrapped
-that in ``asyncio.shield`` (an outer future, ``ensure_future``, two callbacks).  Measured,
-8000 cached 36 KiB ``preadv`` in groups of 8, uvloop, the 2-core VM, 2026-12-02: 85-95 µs of
-process CPU a read through the executor, 37-44 µs through this class.  No library offers
-this: ``aiofiles`` and ``anyio.to_thread`` are built on the same executor path.
+Why not ``loop.run_in_executor`` on a ``ThreadPoolExecutor``: at the demo's 36 KiB experts,
+served by the page cache in a few microseconds, the executor's machinery is most of a read's
+cost.  Each read makes a ``concurrent.futures.Future`` (a ``threading.Condition`` each, taken
+on both threads), chains it into an asyncio future (``wrap_future``, ``_chain_future``,
+``_copy_future_state``), and awaiting it through ``asyncio.shield`` adds an outer future and two
+callbacks.  docs/benchmarks.md, "The miss path's CPU cut": 85-95 µs of CPU a cached 36 KiB read
+through the executor, 37-44 µs through this class.  No library offers this: ``aiofiles`` and
+``anyio.to_thread`` are built on the same executor path.
 
 A job is one tuple on a ``SimpleQueue``; the worker posts its result back with one
 ``call_soon_threadsafe``.  :meth:`Workers.undelivered` counts the calls that finished whose
 awaiting coroutine has not resumed yet: their results sit in the loop's queue, and the core
-lets them through before batch-end work it could run later (``iosched/_prefetch.py``).
+lets them through before batch-end work it could run later (``iosched/runtime/_prefetch.py``).
 
 **Invariant: :meth:`run` returns or raises only once the call has finished**, also when its
 task is cancelled meanwhile: a read keeps writing into its buffer until the system call

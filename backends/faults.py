@@ -36,11 +36,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
+from iosched._atomic import write_atomically
 from iosched._errors import ReadError
 
 from ._base import Backend, Caps, ZeroCopyBackend, map_tiered, read_tiered, undelivered_counter
@@ -221,21 +221,9 @@ def truncate_file(path: str | os.PathLike[str], size: int) -> None:
 
 def replace_file(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace a file by a new one holding ``data`` the way tools do it (write a temporary file
-    in the same folder, fsync, rename over): descriptors already open keep the old file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".replace-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    in the same folder, fsync, rename over: :mod:`iosched._atomic`): descriptors already open
+    keep the old file."""
+    write_atomically(path, data, prefix=".replace-")
 
 
 __all__ = ["COUNTERS", "FaultPlan", "Faults", "FaultyBackend", "replace_file", "truncate_file"]

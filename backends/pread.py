@@ -168,9 +168,9 @@ class PreadBackend:
 
         Why: a worker's round trip costs more than such a copy.  ``RWF_NOWAIT`` exists for
         this (a server tries the cached read inline and hands the rest to threads), and it
-        never waits for the device.  Measured on the 2-vCPU AMD EPYC VM (session 45): a cached
-        36 KiB ``preadv2(RWF_NOWAIT)`` 6.3 us, 128 KiB 16 us, 256 KiB 24 us, against 51 us
-        for an empty call through a one-thread pool and back to the loop."""
+        never waits for the device.  docs/benchmarks.md, "small cached reads copied inline": a
+        cached 36 KiB ``preadv2(RWF_NOWAIT)`` takes 6.3 us, 256 KiB 24 us, against 51 us for an
+        empty call through a one-thread pool and back to the loop."""
         if self._pool is None:
             raise InvariantError("backend used before open()")
         if length <= self._inline_max:

@@ -12,7 +12,6 @@ modules of ``iosched.backends`` and ``iosched.residency``, it is all the command
 (``iosched.tools``) import: docs/design.md, "Import rules".
 """
 
-from ._checkpoint import load_index
 from ._errors import (
     BackendUnavailable,
     BudgetError,
@@ -24,7 +23,6 @@ from ._errors import (
     StoreError,
     UnknownExpertError,
 )
-from ._growth import GrowthDecision, GrowthStats, GrowthStep
 from ._layout import (
     CheckpointIndex,
     DerivedTensor,
@@ -35,13 +33,15 @@ from ._layout import (
     SkippedTensors,
     TensorSpec,
 )
-from ._lease import ArrivalGroup, Lease, LeaseGroup, ThreadArrivals
-from ._manifest import ManifestSummary, default_manifest_path, write_manifest
-from ._pack import ExpertMove, PackError, PackReport, Placement, pack_checkpoint
 from ._settings import override as override_settings
-from ._stats import DeviceStats, ReplicaStats, RequestTally, StoreStats, TierStats
-from ._store import ExpertStore
-from ._view import ExpertView
+from .formats._checkpoint import load_index
+from .formats._manifest import ManifestSummary, default_manifest_path, write_manifest
+from .formats._pack import ExpertMove, PackError, PackReport, Placement, pack_checkpoint
+from .runtime._growth import GrowthDecision, GrowthStats, GrowthStep
+from .runtime._lease import ArrivalGroup, Lease, LeaseGroup, ThreadArrivals
+from .runtime._stats import DeviceStats, ReplicaStats, RequestTally, StoreStats, TierStats
+from .runtime._store import ExpertStore
+from .runtime._view import ExpertView
 
 __all__ = [
     "ArrivalGroup",

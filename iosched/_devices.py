@@ -1,7 +1,7 @@
 """The one fact about a file's block device the read path needs at open: O_DIRECT's alignment.
 
 A partition's queue settings are its disk's (``vda1`` -> ``vda``).  Naming drives, and every
-other fact about them, is ``iosched._topology``'s (pyudev, mountinfo for major-0 devices).
+other fact about them, is ``iosched.topology._topology``'s (pyudev, mountinfo for major-0 devices).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ Invariants: the loop's time never goes backwards; a skip is exactly the next tim
 threads while skipping was on, which a simulation must keep at zero (a thread's real time
 would be skipped, not waited for).
 
-:func:`now` and :func:`use` are the store's clock (``iosched/_clock.py``): the simulator runs
+:func:`now` and :func:`use` are the store's clock (``iosched/runtime/_clock.py``): the simulator runs
 its loop under ``use(loop.time)`` so the store's felt wait, busy time and pacing are measured
 in virtual seconds.
 """
@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
 
-from ._clock import now, use
+from .runtime._clock import now, use
 
 __all__ = ["VirtualTimeLoop", "now", "run", "running_virtual_loop", "use"]
 

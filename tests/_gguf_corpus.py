@@ -43,8 +43,8 @@ import numpy as np
 import numpy.typing as npt
 
 from iosched import ExpertStore, backends
-from iosched._checkpoint import load_index
 from iosched._layout import CheckpointIndex
+from iosched.formats._checkpoint import load_index
 
 E, K = 4, 2
 """Experts per layer, routed per token."""

@@ -1,7 +1,7 @@
 """A corpus of tiny MoE checkpoints, one per MoE config class of the installed transformers.
 
 Every config class that ``CONFIG_MAPPING`` registers and whose fields (or its sub-configs')
-include an expert count (:data:`iosched._hf_names.EXPERT_COUNT_KEYS`) is a MoE model.  Its
+include an expert count (:data:`iosched.formats._hf_names.EXPERT_COUNT_KEYS`) is a MoE model.  Its
 default config is shrunk by a small table of generic size keys (:data:`TINY`), its expert
 count set to :data:`EXPERTS` and its k to :data:`K`, the layer knobs that decide which layers
 are MoE (:data:`LAYER_KNOBS`) set so the tiny model has MoE layers and, where the
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from iosched._hf_names import EXPERT_COUNT_KEYS, EXPERTS_PER_TOKEN_KEYS
+from iosched.formats._hf_names import EXPERT_COUNT_KEYS, EXPERTS_PER_TOKEN_KEYS
 
 EXPERTS = 4
 """Experts per MoE layer of every tiny model (the brief: 4 to 8)."""
@@ -364,7 +364,7 @@ def markdown_table(entries: list[Entry]) -> str:
 def classify(entry: Entry) -> str:
     """What ``load_index`` makes of a built checkpoint: ``opens: ...`` or ``refused: <message>``."""
     from iosched._errors import CheckpointError
-    from iosched._safetensors_index import load_folder
+    from iosched.formats._safetensors_index import load_folder
 
     assert entry.folder is not None
     try:

@@ -173,9 +173,9 @@ async def test_with_io_uring_the_misses_reach_the_kernel_before_the_engine_compu
 async def test_the_batch_end_work_hands_the_gil_over_only_while_no_acquire_waits(
         st_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the engine computes in a thread the policy's batch-end work first lets other
-    threads take the GIL, once (``iosched/_prefetch.py``, ``release_gil``); while the engine
+    threads take the GIL, once (``iosched/runtime/_prefetch.py``, ``release_gil``); while the engine
     awaits a read, it does not (each hand-over could then delay waking the engine)."""
-    from iosched import _prefetch
+    from iosched.runtime import _prefetch
 
     handed: list[int] = []
 

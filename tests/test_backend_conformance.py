@@ -273,7 +273,7 @@ async def test_a_finished_read_counts_as_undelivered_until_its_coroutine_resumes
         backend: str, blob: tuple[str, bytes]) -> None:
     """``undelivered()`` (``backends/_base.py``): a read that finished while the loop was held
     (an engine computing on it) counts until its awaiting coroutine resumes; the core lets such
-    results through before batch-end work (``iosched/_prefetch.py``)."""
+    results through before batch-end work (``iosched/runtime/_prefetch.py``)."""
     import time
 
     path, payload = blob

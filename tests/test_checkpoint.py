@@ -21,9 +21,9 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError
 from iosched._layout import CheckpointIndex, ExpertLayout, GgmlType
+from iosched.formats._checkpoint import load_index
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 L, E, H, INTER = 3, 6, 64, 32  # layers, experts, hidden, intermediate
@@ -552,7 +552,7 @@ def _reader_tensors(*paths: Path) -> dict[str, npt.NDArray[Any]]:
 
 
 def _view(index: CheckpointIndex, key: tuple[int, int]) -> Any:
-    from iosched._view import ExpertView
+    from iosched.runtime._view import ExpertView
 
     return ExpertView.over(index.experts[key], memoryview(bytearray(read_expert(index, index.experts[key]))))
 

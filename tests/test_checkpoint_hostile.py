@@ -22,12 +22,12 @@ import pytest
 import safetensors.numpy
 
 from iosched import BudgetError, ExpertStore
-from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError
-from iosched._gguf_header import MAX_TENSORS, read_header
-from iosched._index_build import MAX_EXPERTS_PER_LAYER
 from iosched._layout import CheckpointIndex
-from iosched._untrusted import MAX_CONFIG_JSON_BYTES, MAX_INDEX_JSON_BYTES, list_folder
+from iosched.formats._checkpoint import load_index
+from iosched.formats._gguf_header import MAX_TENSORS, read_header
+from iosched.formats._index_build import MAX_EXPERTS_PER_LAYER
+from iosched.formats._untrusted import MAX_CONFIG_JSON_BYTES, MAX_INDEX_JSON_BYTES, list_folder
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 SIZES: dict[str, Any] = dict(n_layers=2, n_experts=4, hidden=16, intermediate=8)

@@ -47,7 +47,8 @@ from safetensors import safe_open
 
 from iosched import ExpertStore
 from iosched._errors import CheckpointError
-from iosched._hf_names import (
+from iosched._layout import CheckpointIndex, DerivedTensor
+from iosched.formats._hf_names import (
     ATTENTION_BLOCKS,
     EXPERTS_PER_TOKEN_KEYS,
     GATE_UP_FC1,
@@ -56,8 +57,7 @@ from iosched._hf_names import (
     INTERLEAVED,
     stack_kind,
 )
-from iosched._layout import CheckpointIndex, DerivedTensor
-from iosched._safetensors_index import INDEX_JSON, load_folder
+from iosched.formats._safetensors_index import INDEX_JSON, load_folder
 from tests import _hf_corpus as hc
 from tests.test_checkpoint import _raises as _refused
 
@@ -577,7 +577,7 @@ def test_every_k_spelling_of_the_installed_transformers_is_read() -> None:
 
 
 def test_every_expert_count_spelling_of_the_installed_transformers_is_read() -> None:
-    from iosched._hf_names import EXPERT_COUNT_KEYS
+    from iosched.formats._hf_names import EXPERT_COUNT_KEYS
 
     fields = _moe_fields()
     counts = {f for f in fields if re.search(r"(^|_)(num|n)_.*experts$|experts_num$|^moe_num_experts$", f)

@@ -1,4 +1,4 @@
-"""The GIL hand-over of the policy's batch-end work (``iosched/_prefetch.py``,
+"""The GIL hand-over of the policy's batch-end work (``iosched/runtime/_prefetch.py``,
 ``release_gil``): it sleeps with the thread's timer slack cut short, and gives the thread its
 own slack back whatever happens."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from iosched import _prefetch
+from iosched.runtime import _prefetch
 
 linux_only = pytest.mark.skipif(_prefetch._PRCTL is None,
                                 reason="prctl(PR_SET_TIMERSLACK) is Linux's; elsewhere the plain sleep(0)")

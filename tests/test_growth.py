@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from iosched import _settings, _sizing
+from iosched import _settings
 from iosched._errors import StoreClosed
-from iosched._growth import BudgetGrowth, GrowthStep, psi_memory_some_us
-from iosched._store import ExpertStore
+from iosched.runtime import _sizing
+from iosched.runtime._growth import BudgetGrowth, GrowthStep, psi_memory_some_us
+from iosched.runtime._store import ExpertStore
 from iosched.tools.synth import write_safetensors_moe
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 4, 32, 16

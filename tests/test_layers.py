@@ -3,7 +3,9 @@
 ``lint-imports`` (import-linter, run by ``make test``) checks the contracts in
 ``pyproject.toml``: no cycles among siblings, backends and residency importing only the core's
 leaf modules and not each other, private modules of backends, residency and tools imported
-from inside their package only.  What it cannot say is checked here, on the import graph that
+from inside their package only, and the rooms in layers (the tools over the public modules,
+over the runtime, over the checkpoint formats and the topology, over backends and residency,
+over the shared leaves).  What it cannot say is checked here, on the import graph that
 grimp (import-linter's graph builder) makes from the source tree:
 
 * the tools import the public API only: no ``_``-prefixed module outside ``iosched.tools``,
@@ -34,13 +36,15 @@ import grimp
 import pytest
 from importlinter.api import read_configuration
 
+from tests._fresh import module_import_failures
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 
 SUBPACKAGES = {"backends": "iosched.backends", "residency": "iosched.residency", "tools": "iosched.tools"}
 """Top-level folders of the tree and the names they are imported by."""
 
-LEAVES = {"iosched._errors", "iosched._settings", "iosched._devices", "iosched._layout"}
+LEAVES = {"iosched._errors", "iosched._settings", "iosched._devices", "iosched._layout", "iosched._atomic"}
 """The core's leaf modules: all of the core that backends and residency may import."""
 
 
@@ -169,13 +173,19 @@ def test_the_contracts_are_the_documented_ones() -> None:
     contracts = _contracts()
     assert {(cid, c["type"]) for cid, c in contracts.items()} == {
         ("acyclic", "acyclic_siblings"), ("leaves", "forbidden"),
-        ("independent", "independence"), ("private", "private_modules")}
+        ("independent", "independence"), ("private", "private_modules"), ("rooms", "layers")}
     session = _config()["session_options"]
     assert session["root_packages"] == ["iosched"]
     assert session["exclude_type_checking_imports"] == "False"  # TYPE_CHECKING imports count
     assert contracts["acyclic"]["ancestors"] == ["iosched"] and "depth" not in contracts["acyclic"]
     assert set(contracts["independent"]["modules"]) == {"iosched.backends", "iosched.residency"}
     assert set(contracts["private"]["packages_with_private_modules"]) == set(SUBPACKAGES.values())
+    rooms = contracts["rooms"]
+    assert rooms["containers"] == ["iosched"] and rooms["exhaustive"] == "True"  # every child placed
+    assert rooms["layers"][:5] == ["tools", "_telemetry | clock | settings", "runtime", "formats | topology",
+                                   "backends | residency"]
+    leaves = {f"iosched.{name.strip()}" for layer in rooms["layers"][5:] for name in layer.split("|")}
+    assert leaves == LEAVES, "the bottom layers are the shared leaves"
 
 
 def test_the_leaves_contract_forbids_every_other_core_module() -> None:
@@ -213,7 +223,7 @@ def test_the_contracts_hold() -> None:
     result = subprocess.run([_lint_imports(), "--no-cache", "--no-logo"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout, result.stdout
+    assert "Contracts: 5 kept, 0 broken." in result.stdout, result.stdout
 
 
 # ------------------------------------------------------------------------- what the contracts miss
@@ -243,16 +253,7 @@ def test_only_the_tools_import_the_tools(graph: grimp.ImportGraph) -> None:
 
 def test_every_module_imports_first_in_a_fresh_interpreter(graph: grimp.ImportGraph) -> None:
     """No import-order guard is needed anywhere: each module of iosched imports on its own,
-    first thing, in a fresh interpreter (4 at a time: ~90 interpreters take ~10 s on 2 cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    first thing, in a clean interpreter (``tests/_fresh.py``)."""
     modules = sorted(m for m in graph.modules if _is_within(m, "iosched"))
-
-    def first_import(module: str) -> str | None:
-        result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120, stdin=subprocess.DEVNULL)
-        return None if result.returncode == 0 else f"import {module}:\n{result.stderr[-2000:]}"
-
-    with ThreadPoolExecutor(4) as pool:
-        failures = [f for f in pool.map(first_import, modules) if f is not None]
+    failures = module_import_failures(modules)
     assert len(modules) > 60 and not failures, "\n".join(failures)

@@ -304,7 +304,7 @@ def test_idle_pacer_allows_what_idle_time_could_have_read() -> None:
     (200 MB/s while busy), so the next batch may prefetch about 1.5 s x 200 MB/s."""
     import time as _time
 
-    from iosched._pacing import IdlePacer
+    from iosched.runtime._pacing import IdlePacer
 
     readings = iter([{"vda": (0.0, 0)}, {"vda": (0.5, 100_000_000)}, {"vda": (0.5, 100_000_000)}])
     pacer = IdlePacer(lambda: next(readings))

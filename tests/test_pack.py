@@ -18,7 +18,7 @@ import pytest
 
 from iosched import CheckpointError, ExpertStore, ExpertView, PackError, load_index, pack_checkpoint
 from iosched._layout import CheckpointIndex, GgmlType
-from iosched._pack_meta import apply_pack_metadata, pack_metadata
+from iosched.formats._pack_meta import apply_pack_metadata, pack_metadata
 from iosched.tools.cli import main
 from tests.test_checkpoint_hostile import expert_bytes as extent_bytes
 

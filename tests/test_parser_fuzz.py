@@ -33,9 +33,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from iosched._checkpoint import load_index
 from iosched._errors import CheckpointError
 from iosched._layout import CheckpointIndex
+from iosched.formats._checkpoint import load_index
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 PEAK_BYTES = 32 << 20

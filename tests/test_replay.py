@@ -22,8 +22,6 @@ import gzip
 import importlib.util
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ from iosched.tools.trace import (
     load_route_trace_text,
     read_trace_text,
 )
+from tests._fresh import import_failures
 
 HAVE_LCS = importlib.util.find_spec("libcachesim") is not None
 needs_lcs = pytest.mark.skipif(not HAVE_LCS, reason="libcachesim is not installed "
@@ -487,10 +486,8 @@ def test_store_error_is_the_base() -> None:
 @pytest.mark.parametrize("statement", ["import iosched.residency.alternatives.belady",
                                        "import iosched.residency.alternatives.lfu", "import iosched.tools.replay"])
 def test_modules_import_first_in_a_fresh_interpreter(statement: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", statement], cwd=root, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    failures = import_failures([statement], timeout=60)
+    assert not failures, "\n".join(failures)
 
 
 # ------------------------------------------------------------------------- prefetch arms

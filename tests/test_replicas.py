@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from iosched import ExpertStore, StoreError, _settings, backends
-from iosched._mirrors import MirrorError
-from iosched._router import DEGRADE_AFTER, Replica, Router
-from iosched._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
 from iosched.backends.throttle import ThrottledBackend
+from iosched.formats._mirrors import MirrorError
+from iosched.runtime._router import DEGRADE_AFTER, Replica, Router
+from iosched.runtime._scheduler import DEMAND, PREFETCH, DeviceQueue, Ticket
 from tests._wrappers import GatedBackend
 from tests.test_store import expected_bytes
 
@@ -277,7 +277,7 @@ async def test_buffered_reads_are_never_striped(mirrored: tuple[Path, Path]) -> 
 
 
 async def test_open_a_topology_file(mirrored: tuple[Path, Path], tmp_path: Path) -> None:
-    from iosched._topology import TopologyError
+    from iosched.topology._topology import TopologyError
 
     primary, mirror = mirrored
     topo = tmp_path / "topo.toml"
@@ -303,7 +303,7 @@ async def test_a_topology_file_sets_a_drives_inflight_bytes(st_checkpoint: Path,
     """``inflight_bytes`` in a drive's table caps that drive's queue; 0 lifts the cap; a
     drive without one gets the setting."""
     from iosched import override_settings
-    from iosched._topology import Discovery
+    from iosched.topology._topology import Discovery
 
     name = Discovery().drive_of(str(st_checkpoint)).name
     topo = tmp_path / "topo.toml"
@@ -321,7 +321,7 @@ async def test_a_topology_file_sets_a_drives_inflight_bytes(st_checkpoint: Path,
 
 
 async def test_hints_own_nothing_and_wait_behind_reads(st_checkpoint: Path) -> None:
-    from iosched._scheduler import HINT
+    from iosched.runtime._scheduler import HINT
 
     async with await ExpertStore.open(st_checkpoint, budget_bytes=1 << 20, backend="pread") as store:
         keys = sorted(store.index.experts)[:4]

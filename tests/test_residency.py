@@ -10,7 +10,6 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import cast
 
 import pytest
@@ -40,6 +39,7 @@ from iosched.residency import (
     bind,
     make_policy,
 )
+from tests._fresh import import_failures
 
 UNIT = 1000  # bytes per "unit"; sizes below are in units unless they say bytes
 
@@ -764,11 +764,8 @@ def test_make_policy_of_an_unknown_name_names_it() -> None:
     "import iosched.residency.lru", "import iosched.backends.pread", "import iosched.tools.cli", "import iosched",
 ])
 def test_each_package_imports_first_in_a_fresh_interpreter(statement: str) -> None:
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", statement], cwd=root, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
+    failures = import_failures([statement], timeout=60)
+    assert not failures, "\n".join(failures)
 
 
 # ----------------------------------------------------------------------------- invariants under -O

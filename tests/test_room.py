@@ -1,4 +1,4 @@
-"""Waiting for room: one wake-up passed along, by size, never a lost one (``iosched/_room.py``)."""
+"""Waiting for room: one wake-up passed along, by size, never a lost one (``iosched/runtime/_room.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from iosched import ExpertStore, StoreError, UnknownExpertError
-from iosched._room import Room
+from iosched.runtime._room import Room
 
 pytestmark = pytest.mark.asyncio
 

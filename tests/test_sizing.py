@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from iosched import _settings, _sizing
-from iosched._checkpoint import load_index
+from iosched import _settings
 from iosched._errors import BudgetError, CheckpointError
-from iosched._store import ExpertStore
+from iosched.formats._checkpoint import load_index
+from iosched.runtime import _sizing
+from iosched.runtime._store import ExpertStore
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 4, 32, 16

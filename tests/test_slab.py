@@ -1,4 +1,4 @@
-"""``Slab`` (iosched/_slab.py): page-aligned read buffers, and huge pages under the large ones."""
+"""``Slab`` (iosched/runtime/_slab.py): page-aligned read buffers, and huge pages under the large ones."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from iosched._slab import HUGE_PAGE, PAGE, Slab, _address
+from iosched.runtime._slab import HUGE_PAGE, PAGE, Slab, _address
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -5,7 +5,7 @@ Before the change, ``view.data`` and ``view.tensors[...]`` kept after their ``as
 then read after a few hundred other loads under a budget of a few experts showed *another*
 expert's bytes on ``pread``, ``odirect`` and ``uring`` (and on ``mmap`` for GGUF experts, whose
 three extents are read into a slab rather than mapped): the slab was recycled under them.
-Now a slab something still exports is *retired* (``iosched/_slab.py``): set aside, outside
+Now a slab something still exports is *retired* (``iosched/runtime/_slab.py``): set aside, outside
 the budget, and taken back only once the last reference died.
 
 The budgets here leave a little slack above a whole number of experts, so slabs are recycled
@@ -31,7 +31,7 @@ import pytest
 
 from iosched import ExpertStore, ExpertView, InvariantError, load_index
 from iosched._layout import CheckpointIndex, ExpertKey, ExpertLayout
-from iosched._slab import PAGE, Slab, SlabPool, round_up
+from iosched.runtime._slab import PAGE, Slab, SlabPool, round_up
 from tests.conftest import EXPERTS, LAYERS
 from tests.test_store import expected_bytes
 

@@ -70,13 +70,13 @@ from hypothesis.stateful import (
 )
 
 from iosched import ExpertStore, StoreError, backends
-from iosched._checkpoint import load_index
 from iosched._layout import ExpertKey
-from iosched._lease import Lease, LeaseGroup
-from iosched._telemetry import COUNTERS, TIERS
-from iosched._view import ExpertView
 from iosched.backends.faults import FaultPlan, Faults, FaultyBackend
+from iosched.formats._checkpoint import load_index
 from iosched.residency._table import Entry, EntryState
+from iosched.runtime._lease import Lease, LeaseGroup
+from iosched.runtime._telemetry import COUNTERS, TIERS
+from iosched.runtime._view import ExpertView
 from iosched.tools.synth import write_safetensors_moe
 from tests.conftest import loop_factories
 from tests.test_store import expected_bytes

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from iosched import ExpertStore, _settings, backends
-from iosched._checkpoint import load_index
-from iosched._telemetry import COUNTERS, SECONDS, TIERS, start_exporter
+from iosched._telemetry import start_exporter
 from iosched.backends.faults import FaultPlan, FaultyBackend
+from iosched.formats._checkpoint import load_index
+from iosched.runtime._telemetry import COUNTERS, SECONDS, TIERS
 from iosched.tools.cli import main
 from tests.conftest import EXPERTS, LAYERS, drop_page_cache, warm_page_cache
 

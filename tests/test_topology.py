@@ -19,7 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from iosched import StoreError
-from iosched._topology import (
+from iosched.tools import _command
+from iosched.tools import topology as topology_cli
+from iosched.topology._topology import (
     DeviceConfig,
     Discovery,
     Topology,
@@ -37,8 +39,6 @@ from iosched._topology import (
     suggest_inflight_bytes,
     suggest_queue_depth,
 )
-from iosched.tools import _command
-from iosched.tools import topology as topology_cli
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -28,9 +28,9 @@ from iosched import (
     override_settings,
     write_manifest,
 )
-from iosched._manifest import MANIFEST_NAME, is_manifest_file, load_manifest
-from iosched._mirrors import MirrorError
 from iosched.backends.faults import FaultPlan, FaultyBackend
+from iosched.formats._manifest import MANIFEST_NAME, is_manifest_file, load_manifest
+from iosched.formats._mirrors import MirrorError
 from iosched.tools.cli import main
 from iosched.tools.synth import write_gguf_moe, write_safetensors_moe
 from tests.conftest import EXPERTS, HIDDEN, INTER, LAYERS, require_backend
@@ -448,7 +448,7 @@ def test_bench_verify_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], m
 @pytest.mark.asyncio
 async def test_hashes_in_worker_threads(mirrored: tuple[Path, Path], backend: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from iosched import _verify
+    from iosched.formats import _verify
 
     monkeypatch.setattr(_verify, "THREAD_BYTES", 1)  # every extent takes the large experts' path
     primary, mirror = mirrored
@@ -471,7 +471,7 @@ async def test_a_cancelled_threaded_hash_waits_for_its_thread() -> None:
     import threading
     import time
 
-    from iosched._verify import _in_thread
+    from iosched.formats._verify import _in_thread
 
     done = threading.Event()
 

@@ -20,9 +20,11 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from iosched import StoreError
+
+N = TypeVar("N", int, float)
 
 SubParsers = argparse._SubParsersAction
 """argparse's type of the subcommands' registry (``SubParsers[argparse.ArgumentParser]``), the
@@ -111,44 +113,26 @@ def _number(text: str, kind: type[int] | type[float]) -> int | float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer > 0."""
-    value = int(_number(text, int))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+def _checked(kind: type[N], accepts: Callable[[N], bool], wanted: str, name: str) -> Callable[[str], N]:
+    """The converter ``name``: the text as a finite ``kind`` (:func:`_number`), refused with
+    "... is not ``wanted``" unless ``accepts(value)``."""
+
+    def convert(text: str) -> N:
+        value = kind(_number(text, kind))
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+
+    convert.__name__ = convert.__qualname__ = name
+    convert.__doc__ = f"A command-line value that must be {wanted}."
+    return convert
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = float(_number(text, float))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = float(_number(text, float))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1] (a rate or a share)."""
-    value = float(_number(text, float))
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not in [0, 1]")
-    return value
+positive_int = _checked(int, lambda v: v > 0, "a positive integer", "positive_int")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
+positive_float = _checked(float, lambda v: v > 0, "a positive number", "positive_float")
+non_negative_float = _checked(float, lambda v: v >= 0, "a number >= 0", "non_negative_float")
+fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", "fraction")  # a rate or a share
 
 
 def int_list(text: str) -> list[int]:

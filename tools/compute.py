@@ -3,7 +3,7 @@
 Why real compute: a ``sleep`` standing in for an expert's matmuls leaves the CPU free, so it
 hides the contention between the engine's compute and the store's own work (its policy, its
 reads' system calls) on the same cores; on two cores a policy once looked 13 % faster with a
-sleep and 9 % slower with real compute (issue #15).  ``--compute numpy`` (the default) runs,
+sleep and 9 % slower with real compute.  ``--compute numpy`` (the default) runs,
 per routed expert, the SwiGLU expert MLP of Qwen3/Mixtral-style models on the expert's own
 tensors, ``down · (silu(gate · x) ⊙ up · x)``, on as many rows as the batch routed to that
 expert (decode: one row), and sums the experts' outputs as the layer does.
@@ -212,12 +212,11 @@ CALIBRATION_REPS = 7
 """Timed repetitions per case (median), after one untimed warm-up."""
 CALIBRATION_PASSES = 5
 """Passes over the three cases, interleaved; each case's time is the median of its passes'
-medians.  Why: the development VMs' compute speed drifts by a fifth or more from minute to
-minute and has slow stretches (session 36, the Intel Xeon VM: one calibration read 0.94 ms a
-MiB where the others, minutes apart, read 0.37-0.51, and the critical-path prediction of that
-round missed its felt wait by 43-50 %).  One pass takes ~0.09 s at 576 KiB experts, five
-~0.45 s: a stretch shorter than that is outvoted, a longer one is not.  With five passes the
-6 calibrations of the next validation run read 0.48-0.59 ms a MiB."""
+medians.  Why: a VM's compute speed drifts by a fifth or more from minute to minute and has
+slow stretches (one calibration read 0.94 ms a MiB where the others, minutes apart, read
+0.37-0.51, and the critical-path prediction then missed its felt wait by 43-50 %).  One pass
+takes ~0.09 s at 576 KiB experts, five ~0.45 s: a stretch shorter than that is outvoted, a
+longer one is not (six calibrations with five passes: 0.48-0.59 ms a MiB)."""
 CALIBRATION_SPAN = 96 << 20
 """Bytes of distinct experts the calibration cycles through, so that every layer computes on
 weights the CPU caches do not hold, as an engine's freshly read experts are: well above the

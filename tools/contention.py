@@ -3,7 +3,7 @@
 Many acquires at once against a budget of a few experts: all but a few must wait for room,
 and each lease that ends lets the next one in.  If a release woke every waiter (each then
 retrying its reservation, all but one failing), N waiters would cost O(N) per release and
-O(N²) in all; the store passes one wake-up along instead (``iosched/_room.py``), O(1) per
+O(N²) in all; the store passes one wake-up along instead (``iosched/runtime/_room.py``), O(1) per
 release.  This command measures it on a real (tiny) checkpoint read through the page cache:
 ``N`` concurrent acquires of random experts, each holding its lease for one event-loop turn,
 under a budget of ``--budget-experts`` experts, for each ``N`` of ``--acquires``; the time to

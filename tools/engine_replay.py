@@ -47,7 +47,7 @@ THROTTLE_BURST_S = 0.002
 burst (50 ms) let the reads after each layer's compute through at the real drive's speed,
 which made a 400 MB/s throttle deliver 500 MB/s in decode (measured on the development VM)."""
 DEFAULT_COMPUTE_MS = 1.0
-"""The emulated compute of ``--compute-ms`` (``sleep:1``), before real compute was the default."""
+"""A layer's emulated compute in milliseconds, ``--compute-ms``'s ``sleep:1``."""
 
 # ---------------------------------------------------------------------------------------------
 # real I/O
@@ -232,7 +232,7 @@ async def replay_real(trace: RouteTrace, label: str, cycles: Sequence[float],
     ``folder``: where the checkpoint is built or found (default: the cache folder, as for
     ``iosched demo``).  ``cold``: drop it from the page cache before each run.  ``auto``: one
     more run per policy with ``budget_bytes="auto"`` (it opens at ``auto_start_cycles`` and
-    grows, ``iosched/_growth.py``); its row's ``cycles`` is the budget it ended with.
+    grows, ``iosched/runtime/_growth.py``); its row's ``cycles`` is the budget it ended with.
     ``routing``: the engine hands each prompt batch's router output to ``observe_routing``
     (``False``: keys only, ``--keys-only``).  ``compute``: real numpy compute (the default)
     or a sleep, run where ``compute_on`` says; ``compute_ms``, the older spelling of

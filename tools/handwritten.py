@@ -14,10 +14,10 @@ readahead off (``POSIX_FADV_RANDOM``) and drops each read's whole pages once rea
 VM's disk) brings pages past the range, which a drop of the range leaves cached, and ``DONTNEED``
 keeps a range's partial end pages.  Without them a qwen run at 162 MiB of budget (576 KiB
 experts, 48 tokens) left 510 MiB of the checkpoint cached, served to later misses as page-cache
-hits outside the budget; with them, none (2026-12-02, ``tests/test_compute.py``).  Readahead
-off costs the arm nothing it is allowed: a read is the expert's range, and whatever readahead
-adds past it would be dropped unread.  Eight threads: the hand-written engine issue #15
-measured against (a common size for a pread pool).
+hits outside the budget; with them, none (``tests/test_compute.py`` checks it).  Readahead off
+costs the arm nothing it is allowed: a read is the expert's range, and whatever readahead adds
+past it would be dropped unread.  Eight threads: a common size for a pread pool, and the
+engine the project's goals are stated against.
 
 :class:`HandwrittenEngineStore` adds what the shared engine loop (``tools/demo.py``
 ``drive_engine``) calls, so the arm runs the very loop and compute the iosched arms run.

@@ -3,14 +3,14 @@
 Why: separate cold runs of two policies cannot resolve a few percent on a disk whose speed
 swings 2-4x between minutes.  Six rounds of the real-I/O replay, arms rotated, gave single-run
 ratios of 0.76-3.41x for one pair of policies, and the arm's place in the round moved the
-median by about 4 % (docs/benchmarks.md, 2026-12-02).  Here every arm is open at once, each
-on its own store (empty: a cold start, with the checkpoint dropped from the page cache once
-before), and the trace is played *group by group* (a decode token, all its layers, or one
-prompt batch), each group on every arm in turn, the arms' order changing from group to group
-through every permutation (:func:`play_orders`), as ``--resident`` does
-(``tools/resident_bench.py``).  Neighbouring tokens of different arms then
-share the drive's speed of that moment, and the paired ratio (the median over tokens of the
-reference arm's token time over this arm's) cancels the drift.
+median by about 4 % (docs/benchmarks.md, "Paired cold runs: `iosched replay --paired`").  Here
+every arm is open at once, each on its own store (empty: a cold start, with the checkpoint
+dropped from the page cache once before), and the trace is played *group by group* (a decode
+token, all its layers, or one prompt batch), each group on every arm in turn, the arms' order
+changing from group to group through every permutation (:func:`play_orders`), as ``--resident``
+does (``tools/resident_bench.py``).  Neighbouring tokens of different arms then share the
+drive's speed of that moment, and the paired ratio (the median over tokens of the reference
+arm's token time over this arm's) cancels the drift.
 
 What keeps the arms apart:
 
@@ -23,14 +23,14 @@ What keeps the arms apart:
 - **Each arm's clock runs only while it plays** (:class:`ArmClock`, the store's clock through
   :func:`iosched.clock.use`): a policy that times its tokens (``default``'s trial) sees its
   own tokens, not the others' in between.
-- **One checkpoint for all, by default; copies on request.**  The development VM's disk is a
-  file on a host that caches it: a 1 MiB O_DIRECT read of a region not read for hours ran at
-  120 MiB/s, the same read again at 870 MiB/s (depth 1, 200 reads, 2026-12-02).  Arms sharing
+- **One checkpoint for all, by default; copies on request.**  A VM's disk may be a file on a
+  host that caches it: a 1 MiB O_DIRECT read of a region not read for hours ran at 120 MiB/s,
+  the same read again at 870 MiB/s (depth 1, 200 reads).  Arms sharing
   the files read part of each other's misses from the host's memory, which shrinks the
   differences between their read paths (not in anyone's favour: the order changes).  With
   ``copies`` each arm reads its own copy (:func:`arm_copies`), but the copies are not alike
   either: three made together read at 160, 125 and 285 MiB/s an hour later (400 random
-  576 KiB reads, interleaved, 2026-12-02), the host keeping more of the last one, and that
+  576 KiB reads, interleaved), the host keeping more of the last one, and that
   speed belongs to one arm for the whole run.  So copies are for a drive without such a
   cache, and the one shared checkpoint is the default here.
 - **Memory**: each arm has the budget; the hand-written arm drops its reads from the page cache

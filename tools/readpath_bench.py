@@ -1,4 +1,4 @@
-"""``iosched bench-readpath``: the read path against 8 threads of ``os.pread`` (issue #15, point 5).
+"""``iosched bench-readpath``: the read path against 8 threads of ``os.pread``.
 
 What an engine feels on a miss is the wait of one MoE layer's ``acquire_many`` of k experts
 none of which is resident.  This measures only that: a real safetensors checkpoint of
@@ -52,15 +52,15 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "9M": (2048, 768, 2, 64),       # 9.00 MiB x 128 = 1.13 GiB
 }
 """128 and 64 experts per layer, as Qwen3-30B-A3B (128) and other MoE checkpoints have, of which
-a group reads 8: with 10 or 40 per layer (a first version), a group read most of its layer and
-the page cache's readahead past each expert was mostly bytes the group wanted next, which a
-real model's 6 % of a layer does not give it."""
+a group reads 8: with 10 or 40 per layer a group would read most of its layer, and the page
+cache's readahead past each expert would be mostly bytes the group wants next, which a real
+model's 6 % of a layer does not give it."""
 DEFAULT_SIZES = ("2.5M", "9M")
 """A real Q4 expert and a real bf16 one; ``36K`` (the demo's experts) on request."""
 GROUP = 8
 """k: the experts one MoE layer routes a token to (Qwen3-30B-A3B and Mixtral's 8)."""
 THREADS = 8
-"""The hand-written engine's thread pool, as issue #15 describes it."""
+"""The hand-written engine's thread pool (``tools/handwritten.py``)."""
 
 
 def checkpoint(size: str, root: Path | None = None) -> Path:

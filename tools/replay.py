@@ -275,7 +275,7 @@ def budget_for(trace: RouteTrace, cycles: float) -> int:
 
 def takes_prefetch_width(name: str) -> bool:
     """Whether ``--prefetch-width`` applies to the policy named ``name``: the prefetching ones,
-    which declare ``Capability.BATCHES`` (the store's own rule, ``iosched/_store.py``)."""
+    which declare ``Capability.BATCHES`` (the store's own rule, ``iosched/runtime/_store.py``)."""
     return name in POLICIES and Capability.BATCHES in make_policy(name).capabilities
 
 

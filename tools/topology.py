@@ -4,12 +4,12 @@
 
 * For each PATH (default ``.``), a file or a folder (then every regular file directly in it,
   symlinks followed, as Hugging Face snapshots are), the drive holding it (mapping rules in
-  ``iosched/_topology.py`` and ``docs/topology.md``).  A folder whose files span several
+  ``iosched/topology/_topology.py`` and ``docs/topology.md``).  A folder whose files span several
   drives is reported as the drive holding most of its bytes; ``files`` has the breakdown.
 * ``--probe``: per drive, random O_DIRECT reads of ``--bs`` from the largest file on it,
   a quarter of the budget at depth 1 and the rest at depth ``--qd``, bounded by ``--probe-mb``
   and ``--probe-seconds`` per drive.
-* ``--write FILE``: a TOML topology (schema in ``iosched/_topology_toml.py``): the first PATH
+* ``--write FILE``: a TOML topology (schema in ``iosched/topology/_topology_toml.py``): the first PATH
   is the primary checkpoint, the others its mirrors; one ``[[device]]`` per drive with
   ``weight`` = probed MB/s over the fastest drive's (1.0 each without ``--probe``) and
   ``queue_depth`` from :func:`iosched.topology.suggest_queue_depth`.

@@ -11,7 +11,7 @@ back to back, in alternating order, ``--reps`` times: the disk's speed swings be
 so only side-by-side medians are compared.  Also measured: XXH3's own throughput over
 buffers not in the CPU cache (a 256 MiB array walked in expert-sized steps), and what one hash
 costs on the event loop against a worker thread's round trip (``hash_placement_us``: the
-measurement behind ``THREAD_BYTES`` in ``iosched/_verify.py``).
+measurement behind ``THREAD_BYTES`` in ``iosched/formats/_verify.py``).
 """
 
 from __future__ import annotations
