@@ -87,8 +87,8 @@ SETTINGS: dict[str, Setting] = {
             "pread_inline_max", "IOSCHED_PREAD_INLINE_MAX", 128 << 10, _non_negative_int,
             "Bytes: a `pread` read this small that the page cache holds whole is copied on the "
             "event loop's thread (`preadv2(RWF_NOWAIT)`), not handed to a worker; 0: always a worker. "
-            "128 KiB: such a copy took 16 us on the development VM against 51 us for a worker's round "
-            "trip (a 36 KiB one 6.3 us, 256 KiB 24 us; session 45, docs/benchmarks.md).",
+            "128 KiB: such a copy took 16 us against 51 us for a worker's round trip (a 36 KiB one "
+            "6.3 us, 256 KiB 24 us; docs/benchmarks.md, \"Small cached reads and the compute thread\").",
         ),
         Setting(
             "queue_depth", "IOSCHED_QUEUE_DEPTH", 8, _positive_int,
@@ -103,11 +103,10 @@ SETTINGS: dict[str, Setting] = {
             "than it starts alone when nothing else is in flight); 0: no limit. Reads in flight "
             "share the drive's bandwidth and finish together, so an engine that computes each "
             "expert as it lands (`acquire_as_ready`) waited for all of a layer's misses before the "
-            "first; one expert at a time lands the first after a fraction of the time. 2 MiB, "
-            "measured on the development VM (session 46, docs/benchmarks.md): 2.25 MiB experts, "
-            "one token cycle, compute in a thread: felt wait 42-45 ms a token at caps of 0.5-4.5 "
-            "MiB against 84-100 ms with 8 reads in flight, +21-25 % tokens/s; 576 KiB experts: "
-            "25 ms with three in flight, 28-31 with eight, 36-38 with one.",
+            "first; one expert at a time lands the first after a fraction of the time. 2 MiB: "
+            "with 2.25 MiB experts at one token cycle the felt wait was 42-45 ms a token at caps of "
+            "0.5-4.5 MiB against 84-100 ms with 8 reads in flight, +21-25 % tokens/s "
+            "(docs/benchmarks.md, \"Reads in flight per drive\").",
         ),
         Setting(
             "stripe_threshold", "IOSCHED_STRIPE_THRESHOLD", 4 << 20, _positive_int,
@@ -127,15 +126,15 @@ SETTINGS: dict[str, Setting] = {
             "layer's predicted experts: `k` (the experts routed per token and layer) bounds "
             "prefetch to one token cycle of bytes per token, what a cold cache reads anyway; "
             "`0` turns prefetch off. `token_budget_bytes` caps it further. Hits against bytes "
-            "moved for other widths: docs/residency-notebook.md.",
+            "moved for other widths: docs/tried-and-dropped.md.",
         ),
         Setting(
             "prefetch_pacing", "IOSCHED_PREFETCH_PACING", "idle", _choice("idle", "none"),
             "How much of the policy's prefetch proposals the store issues: `idle` (between two "
             "batch ends, what the drives' idle time times their measured bandwidth could have "
-            "read; iosched/_pacing.py), or `none` (all of them, within `token_budget_bytes`). "
+            "read; iosched/runtime/_pacing.py), or `none` (all of them, within `token_budget_bytes`). "
             "Measured for `idle`: on a drive-bound run prefetching everything raised the felt "
-            "wait by 20-42 % (docs/residency-notebook.md).",
+            "wait by 20-42 % (docs/tried-and-dropped.md).",
         ),
         Setting(
             "lookahead_min_probability", "IOSCHED_LOOKAHEAD_MIN_PROBABILITY", 0.5, _probability,
@@ -148,7 +147,7 @@ SETTINGS: dict[str, Setting] = {
             "auto_start_cycles", "IOSCHED_AUTO_START_CYCLES", 2, _positive_int,
             'Token cycles `budget_bytes="auto"` opens with (fewer if fewer fit in half of '
             "MemAvailable); it grows from there while a larger budget's measured benefit exceeds "
-            "its measured cost (iosched/_growth.py). 2: one token's reuse distance is about one "
+            "its measured cost (iosched/runtime/_growth.py). 2: one token's reuse distance is about one "
             "cycle, so 2 is the smallest whole-cycle budget in which reuse from one token to the "
             "next fits under LRU, and the replays measure the steepest gain per cycle between 1 "
             "and 2 cycles (docs/residency.md).",

@@ -14,7 +14,7 @@ Keys are opaque hashables, ``(layer, expert)`` in practice.  Call order for one 
 ``admit`` is asked with the keys the table would evict to make room for an admitted ``key``
 (``victims``, in the policy's own order, already filtered to evictable entries; empty when
 the bytes are free), so an admission filter can compare the candidate with what it would
-displace (W-TinyLFU, ``residency/wtinylfu.py``).  A rejected miss is served transiently
+displace (W-TinyLFU, ``residency/alternatives/wtinylfu.py``).  A rejected miss is served transiently
 (see :class:`iosched.residency.ResidencyTable`'s ``transient_bytes``).
 
 **Optional abilities are declared, not discovered** (Caffeine's "characteristics").  A
@@ -78,7 +78,7 @@ flag               protocol                   hooks, and who calls them when
                                               array in [0, 1], validated), so the policy can
                                               weigh it with its own prediction and its guard
 ``COST``           :class:`CostAware`         ``set_clock(now)``: the store, once, with its
-                                              clock (``iosched/_clock.py``: real time, or the
+                                              clock (``iosched/runtime/_clock.py``: real time, or the
                                               critical-path replay's virtual time), so that
                                               the policy can time its own hooks against the
                                               felt wait they save; ``cost_verdict``: what it

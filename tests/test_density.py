@@ -163,7 +163,7 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
     :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict); from then on, for good,
     LRU's order at one cycle,
-    S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the ranking's hits there at
+    S3-FIFO's above (``residency/default/_s3fifo.py``: it keeps most of the ranking's hits there at
     LRU's cost), and the verdict gives both sides."""
     at = COST_VERDICT_FROM
     tokens = routed_tokens(at + 4)

@@ -1,4 +1,4 @@
-"""The default policy (residency/earned.py): ``moe`` while its measured gain in felt wait
+"""The default policy (residency/alternatives/earned.py): ``moe`` while its measured gain in felt wait
 exceeds the time its hooks take, then ``coact`` for good (tests/test_coact.py has the
 switch with prefetches on)."""
 

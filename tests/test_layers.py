@@ -173,7 +173,8 @@ def test_the_contracts_are_the_documented_ones() -> None:
     contracts = _contracts()
     assert {(cid, c["type"]) for cid, c in contracts.items()} == {
         ("acyclic", "acyclic_siblings"), ("leaves", "forbidden"),
-        ("independent", "independence"), ("private", "private_modules"), ("rooms", "layers")}
+        ("independent", "independence"), ("private", "private_modules"), ("rooms", "layers"),
+        ("residency", "layers")}
     session = _config()["session_options"]
     assert session["root_packages"] == ["iosched"]
     assert session["exclude_type_checking_imports"] == "False"  # TYPE_CHECKING imports count
@@ -186,6 +187,9 @@ def test_the_contracts_are_the_documented_ones() -> None:
                                    "backends | residency"]
     leaves = {f"iosched.{name.strip()}" for layer in rooms["layers"][5:] for name in layer.split("|")}
     assert leaves == LEAVES, "the bottom layers are the shared leaves"
+    residency = contracts["residency"]
+    assert residency["containers"] == ["iosched.residency"] and residency["exhaustive"] == "True"
+    assert residency["layers"][:3] == ["registry", "alternatives", "default"]  # the default imports no alternative
 
 
 def test_the_leaves_contract_forbids_every_other_core_module() -> None:
@@ -223,7 +227,7 @@ def test_the_contracts_hold() -> None:
     result = subprocess.run([_lint_imports(), "--no-cache", "--no-logo"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 5 kept, 0 broken." in result.stdout, result.stdout
+    assert "Contracts: 6 kept, 0 broken." in result.stdout, result.stdout
 
 
 # ------------------------------------------------------------------------- what the contracts miss

@@ -1,4 +1,4 @@
-"""``lrfu`` (residency/lrfu.py): a decaying routing rate per byte, and the engine's lookahead.
+"""``lrfu`` (residency/alternatives/lrfu.py): a decaying routing rate per byte, and the engine's lookahead.
 
 What is checked, and why:
 

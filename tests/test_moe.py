@@ -1,4 +1,4 @@
-"""The MoE-aware default policy (residency/moe.py): cycle-aware eviction, the hazard table,
+"""The MoE-aware default policy (residency/alternatives/moe.py): cycle-aware eviction, the hazard table,
 co-activation prefetch with its eviction guard, and the store driving it."""
 
 from __future__ import annotations

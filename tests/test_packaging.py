@@ -51,6 +51,12 @@ def test_the_wheel_has_one_top_level_package(wheel: Path) -> None:
         assert f"iosched/{package}/__init__.py" in names  # mapped under the root, each once
         assert sum(n.endswith(f"/{package}/__init__.py") for n in names) == 1
     assert "iosched/tools/data/qwen.route.csv.gz" in names  # the bundled traces travel
+    tracked = subprocess.run(["git", "ls-files", "*__init__.py"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    packages = {f"iosched/{p}" if not p.startswith("iosched/") and not p.startswith("tests/") else p
+                for p in tracked if not p.startswith("tests/")}
+    missing = sorted(p for p in packages if p not in names)
+    assert not missing, f"packages of the tree missing from the wheel (pyproject's packages list): {missing}"
 
 
 def test_the_installed_wheel_runs_the_demo(wheel: Path, tmp_path: Path) -> None:

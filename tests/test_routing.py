@@ -177,7 +177,7 @@ async def test_store_observe_routing_validates_and_reaches_the_policy(st_checkpo
 
 
 # ---------------------------------------------------------------------------------------------
-# the context lift (residency/_lift.py)
+# the context lift (residency/alternatives/_lift.py)
 
 
 def test_lift_is_one_until_predicted_and_calibrates_on_the_stale_prediction() -> None:

@@ -1,4 +1,4 @@
-"""S3-FIFO's queues (residency/_s3fifo.py): probation, main as a CLOCK, the ghost queue, and
+"""S3-FIFO's queues (residency/default/_s3fifo.py): probation, main as a CLOCK, the ghost queue, and
 victims offered the way the table takes them (leased ones skipped, nothing evicted while it
 looks)."""
 

@@ -1,4 +1,4 @@
-"""W-TinyLFU (residency/wtinylfu.py), its sketch (residency/sketch.py) and the table's
+"""W-TinyLFU (residency/alternatives/wtinylfu.py), its sketch (residency/alternatives/sketch.py) and the table's
 transient slot (residency/_table.py, ``transient_bytes``)."""
 
 from __future__ import annotations

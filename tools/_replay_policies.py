@@ -4,7 +4,7 @@
 nor the registry can build; ``tools/replay.py`` builds them from the request sequence, and
 the real-I/O replay (``tools/engine_replay.py``) refuses them.  ``VARIANTS``: registered
 policy classes under other settings, for the simulation only.  ``EXPERIMENTAL``: the names
-among those that are kept only for the negative results in docs/residency-notebook.md; the command
+among those that are kept only for the negative results in docs/tried-and-dropped.md; the command
 accepts them only with ``--experimental`` and marks their result rows.
 
 Why a module of its own: both the simulation (``tools/replay.py``, whose command runs the
@@ -21,16 +21,16 @@ from iosched.residency.alternatives.lfu import LFUPolicy
 
 OFFLINE: dict[str, bool] = {"belady": False, "belady-bypass": True}
 """Offline policies this tool builds from the trace, and whether they bypass (see
-``residency/belady.py``)."""
+``residency/alternatives/belady.py``)."""
 
 VARIANTS: dict[str, Callable[[], Policy]] = {"lfu-incache": lambda: LFUPolicy(history=False)}
 """Replay-only variants of registered policies (the same classes, other settings), kept for
-the negative results in docs/residency-notebook.md; the store does not offer them."""
+the negative results in docs/tried-and-dropped.md; the store does not offer them."""
 
 EXPERIMENTAL: frozenset[str] = frozenset({"belady-bypass", "lfu-incache"})
 """Experiment-only policies: ``belady-bypass`` (Belady with "OPT with bypass" admission through
 the table) and ``lfu-incache`` (LFU that forgets a key's count on eviction, libCacheSim's), both
-measured worse than what they vary and kept only so docs/residency-notebook.md's negative results can be
+measured worse than what they vary and kept only so docs/tried-and-dropped.md's negative results can be
 rerun.  ``iosched replay --policy`` accepts them only with ``--experimental``, its help lists
 them apart from the normal choices, and each result row of one carries ``"experimental": true``.
 Every name here is in ``OFFLINE`` or ``VARIANTS``, which say how the replay builds it."""

@@ -23,9 +23,9 @@ builds the sequence): the whole sequence, prefill included, shapes the cache; ``
 is hits / requests over decode requests, ``byte_hit`` hit bytes / requested bytes over all
 requests.  Budgets are given in token cycles, TD = k x sum of the layers' expert_bytes.
 
-``--policy belady`` is the offline reference (``residency/belady.py``): it needs the future,
+``--policy belady`` is the offline reference (``residency/alternatives/belady.py``): it needs the future,
 so the store and the policy registry cannot build it; this tool builds it from the trace.
-Two policies are experimental, kept only for docs/residency-notebook.md's negative results and
+Two policies are experimental, kept only for docs/tried-and-dropped.md's negative results and
 accepted only with ``--experimental``: ``belady-bypass``, the same rule with "OPT with
 bypass" admission, and ``lfu-incache``, the in-cache LFU (libCacheSim's); their result rows
 carry ``"experimental": true`` (``tools/_replay_policies.py``).
@@ -238,7 +238,7 @@ def parse_policies(text: str, experimental: bool = False, real: bool = False) ->
                                  "(an LRU of bytes and 8 threads of pread); drop --simulate")
             continue
         if name in EXPERIMENTAL and not experimental:
-            raise StoreError(f"policy {name!r} is experimental (kept for docs/residency-notebook.md's negative "
+            raise StoreError(f"policy {name!r} is experimental (kept for docs/tried-and-dropped.md's negative "
                              "results); --experimental accepts it")
         if name not in known:
             raise StoreError(f"unknown policy {name!r}; choose one of {', '.join(known)}")
@@ -407,6 +407,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
 
     previous = table.set_on_evict(on_evict)
     policy, hooks = table.policy, table.hooks
+    on_request = policy.on_request
     end_batch, prepare = hooks.end_batch, hooks.prepare
     first_layer = reqs.shape.layers[0] if reqs.shape.layers else None
     token_prefetch = 0
@@ -446,7 +447,7 @@ def drive(table: ResidencyTable, reqs: Requests, *, token_budget_bytes: int | No
                 key, nbytes = keys[i], sizes[i]
                 hit = get(key) is not None
                 flags[i] = hit
-                policy.on_request(key, nbytes, hit)  # (looked up each time: a retired policy hands it over)
+                on_request(key, nbytes, hit)
                 if hit:
                     if key in unused:
                         unused.discard(key)
@@ -860,7 +861,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         f"experimental, with --experimental: {', '.join(sorted(EXPERIMENTAL))}")
     p.add_argument("--experimental", action="store_true",
                    help="also accept the experimental policies (" + ", ".join(sorted(EXPERIMENTAL))
-                        + "), kept only for the negative results in docs/residency-notebook.md; their "
+                        + "), kept only for the negative results in docs/tried-and-dropped.md; their "
                         'result rows carry "experimental": true')
     p.add_argument("--compare-libcachesim", action="store_true",
                    help="also replay through libCacheSim's " + ", ".join(LIBCACHESIM_ALGOS)

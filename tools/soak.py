@@ -80,8 +80,8 @@ class SoakConfig:
     experts: int = 32
     policy: str = "moe"
     """The residency policy; the store is told k = ``group`` (the largest batch).  ``moe``:
-    its prefetches and their pacing run under the faults all along (``default``, ``coact``,
-    may turn its prefetch off after a few tokens when it does not pay, residency/coact.py)."""
+    its prefetches and their pacing run under the faults all along (``default`` and ``coact``
+    may turn theirs off after a few tokens when it does not pay: residency/default/_trial.py)."""
     verify: bool = False
     """Open with ``verify="reads"`` (the manifest is written on first use)."""
     corrupt_rate: float = 0.0

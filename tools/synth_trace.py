@@ -4,7 +4,7 @@ Why: the default policy is judged on routing traces nobody on the project has se
 two bundled ones are all the real routing there is.  A change that gains on both can still be
 fitted to what they share.  These traces vary what a policy may lean on, one knob at a time,
 so a gain that only holds where the structure is present, and a loss where it is absent,
-show up before a held-out trace shows them (docs/residency-notebook.md, "Synthetic traces").
+show up before a held-out trace shows them (docs/tried-and-dropped.md, "Synthetic traces").
 
 The routing model, per token and MoE layer (k distinct experts out of E):
 

@@ -60,9 +60,8 @@ class Acquirer:
         self._index = index
         self._layouts: Mapping[ExpertKey, ExpertLayout] = index.experts
         self._table = table
-        self._policy = table.policy
-        """Its ``on_request`` is looked up on each call: a retired policy hands its hooks to
-        LRU's own (``residency/coact.py``, ``_hand_over``)."""
+        self._on_request = table.policy.on_request
+        """Bound once: a policy that changes mode swaps a part of its own, never its hooks."""
         self._lease_resident = table.lease_resident
         self._on_wait = table.hooks.on_wait
         self._loader = loader
@@ -98,7 +97,7 @@ class Acquirer:
         counts = self.counts
         counts.requests += 1
         counts.hits += 1
-        self._policy.on_request(layout.key, layout.nbytes, True)
+        self._on_request(layout.key, layout.nbytes, True)
         if self._ledger.unused:
             self._ledger.leased(entry)
         return entry
@@ -246,7 +245,7 @@ class Acquirer:
         """Count an acquire that was no hit, by what it found (``entry``: loading, or ``None``),
         and tell the policy."""
         self.counts.requests += 1
-        self._policy.on_request(layout.key, layout.nbytes, entry is not None)
+        self._on_request(layout.key, layout.nbytes, entry is not None)
         if entry is None:
             self.counts.misses += 1
         else:

@@ -4,7 +4,7 @@ while they were idle.
 Why: a prefetch competes with demand reads for the drive.  When the drive is the bottleneck
 (misses keep it busy all token long) every speculative byte delays a demand byte, and a
 prefetch that is right one time in five costs five reads to save one: measured on the
-development VM with 2.25 MiB experts (docs/residency-notebook.md, real-I/O replay), prefetching one
+development VM with 2.25 MiB experts (docs/tried-and-dropped.md, real-I/O replay), prefetching one
 token cycle per token raised the felt wait per token by 20-42 % although it doubled the hit
 rate.  When the drive idles while the engine computes, the same prefetches are free.  So the
 allowance is measured, not set: between two batch ends, each drive's idle time times the

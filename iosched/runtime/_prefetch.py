@@ -11,7 +11,7 @@ policy's.  After an ``acquire_many`` holds its leases (the engine computes on th
 now), the policy's batch-end work is scheduled for the engine's next await: learning,
 predicting the next layer, issuing what it proposes and ranking the next batch's victims
 (``prepare``) cost ~60 µs per batch of hits on the 2-core VM (``iosched hitpath``, more when
-the batch's misses evict: docs/residency-notebook.md, "Cutting the default's CPU"), and the
+the batch's misses evict: docs/tried-and-dropped.md, "Cutting the default's CPU"), and the
 engine should be computing meanwhile.  If the next batch begins first, the work is skipped: the policy closes that
 batch itself, and prefetches for the layer already requested would come too late.
 
@@ -77,7 +77,7 @@ HANDOVER_SLACK_NS = 1
 """The calling thread's timer slack during a hand-over (:func:`release_gil`), then put back:
 the kernel's default, 50 us, stretches a ``sleep(0)`` to 88-141 us on a 2-vCPU VM; at 1 ns it
 takes 19-35 us with the three ``prctl`` calls, and the compute thread still gets the GIL
-(docs/residency-notebook.md, "The hand-over's timer slack": 300 layers in 235-256 ms either way)."""
+(docs/tried-and-dropped.md, "The hand-over's timer slack": 300 layers in 235-256 ms either way)."""
 
 
 def release_gil() -> None:
@@ -93,7 +93,7 @@ def release_gil() -> None:
     release the GIL (sorts, loops over more than 500 elements) let the thread in anyway.  Only
     while the engine does not wait (``EngineWait.engine_waiting``): with the engine computing
     on the loop, a hand-over lets the readers' threads take the GIL first and delays waking the
-    engine.  docs/residency-notebook.md, "The GIL, io_uring's submission turn": ``default``'s
+    engine.  docs/tried-and-dropped.md, "The GIL, io_uring's submission turn": ``default``'s
     token time outside compute and felt wait 4-9 ms over ``lru``'s with it, 10-20 without.
 
     How: ``time.sleep(0)`` releases the GIL for one ``clock_nanosleep`` of zero, long enough

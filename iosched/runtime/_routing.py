@@ -1,7 +1,7 @@
 """Validation of the router output an engine hands to ``ExpertStore.observe_routing``.
 
 Why a module: the store passes the router's choices for a batch of tokens to its policy
-(``on_routing``, ``residency/moe.py`` learns which experts go together from a prompt's rows),
+(``on_routing``, ``residency/alternatives/moe.py`` learns which experts go together from a prompt's rows),
 and bad input must never reach the policy's arrays: a ``StoreError`` names the culprit and the
 store stays usable.  Kept out of ``_store.py`` so the store's module stays about serving.
 

@@ -12,7 +12,7 @@ slot are served by class, then in arrival order:
 Speculative reads (``PREFETCH``, ``HINT``) use only a drive's idle time: one starts only when
 no demand read is in flight on the drive or waiting for it, and at most
 ``speculative_depth`` of them (default ``max(1, depth // 4)``) are in flight at once, so a
-demand read that arrives waits behind at most that many.  Measured why (docs/residency-notebook.md,
+demand read that arrives waits behind at most that many.  Measured why (docs/tried-and-dropped.md,
 real-I/O replay): with 2.25 MiB experts on the development VM's disk, prefetches let into
 every free slot moved 73 % more bytes than LRU and raised the felt wait per token by 42 % at
 one token cycle, though they doubled the hit rate; the drive was the bottleneck, and a

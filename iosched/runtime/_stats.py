@@ -292,7 +292,8 @@ class StoreStats:
     """Extents of mirrors compared with the manifest or the primary at open (``verify_mirrors``)."""
 
 
-_NESTED = ("per_device", "per_replica", "hits_by_tier", "degraded", "backend_info", "budget_growth")
+_NESTED = ("per_device", "per_replica", "hits_by_tier", "degraded", "backend_info", "budget_growth",
+           "policy_state")
 """The fields of :class:`StoreStats` that are not scalars: the only ones :func:`as_dict` thaws."""
 
 

@@ -348,7 +348,7 @@ class ExpertStore:
         empty slot), or ``[k]`` for one token.  Call it for a prompt's layers, before or
         after that layer's ``acquire_many``: the request keys only say *which* experts the
         batch needs, the rows say which go together, and the default policy learns its
-        next-layer prediction from them (``residency/moe.py``).  Synchronous and cheap (the
+        next-layer prediction from them (``residency/alternatives/moe.py``).  Synchronous and cheap (the
         learning is deferred to the policy's batch-end work); a policy without use for it
         (``lru``) ignores it.  Bad input raises a ``StoreError`` naming the layer or expert,
         and nothing is recorded."""

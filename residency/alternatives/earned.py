@@ -1,6 +1,6 @@
 """``earned``: ``moe`` while it earns its cost, then ``coact``.
 
-Why: the objective is the engine's tokens per second. ``moe`` (``residency/moe.py``) makes
+Why: the objective is the engine's tokens per second. ``moe`` (``residency/alternatives/moe.py``) makes
 better decisions than LRU: more hits, prefetches that land in the drive's idle time. But its
 Python runs on the engine's critical path. On a 2-core VM, with real numpy
 compute and 576 KiB experts, it cost more than its extra hits saved in every cell measured:

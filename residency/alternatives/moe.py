@@ -30,7 +30,7 @@ with four MoE-specific parts:
    router's rows (:meth:`MoEPolicy.on_routing`, ``ExpertStore.observe_routing``).
 4. **The routing context.** The prediction for the next layer, over its layer's mean, lifts
    or lowers each of that layer's experts' class hit probability by a factor measured on the
-   run (``residency/_lift.py``): which experts the text is routing toward now, as far as the
+   run (``residency/alternatives/_lift.py``): which experts the text is routing toward now, as far as the
    measurements say that predicts their reuse.
 
 ``cost`` is the felt wait of the layer's misses (:meth:`MoEPolicy.on_wait`, measured by the
@@ -566,7 +566,7 @@ class MoEPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAwar
         self._rebuild()
 
     def hand_over(self) -> tuple[list[tuple[Key, int]], list[int], CoActivation, F64, dict[Key, int]]:
-        """What a successor policy needs to go on where this one stops (``residency/earned.py``
+        """What a successor policy needs to go on where this one stops (``residency/alternatives/earned.py``
         switches to ``coact``): the resident experts, least recently routed first (ties in
         flat order; a prefetch never routed: first), each with its layer's visit count at
         that routing; each layer position's visits so far; the co-activation table (shared,

@@ -1,6 +1,6 @@
 """A count-min sketch with 4-bit saturating counters and periodic aging (TinyLFU's).
 
-Why it exists: W-TinyLFU (``residency/wtinylfu.py``) admits a missed expert only when it has
+Why it exists: W-TinyLFU (``residency/alternatives/wtinylfu.py``) admits a missed expert only when it has
 been requested more often, *recently*, than what it would displace.  The sketch estimates a
 key's request frequency in constant space; aging (halving every counter after
 ``sample_size`` increments, Caffeine's "reset") makes the estimate a recent one, so an expert
