@@ -80,15 +80,10 @@ WINDOW_TOKENS = 1
 """Decode tokens (``L`` decode batches) per window: the balance is judged once a token."""
 
 MIN_WINDOWS = 2
-"""Windows (tokens) before the first judgement.  Two, measured both ways on the 2-core VM
-(docs/residency.md, "`default`"; 4 rounds each, 576 KiB experts, real compute).  Judged from
-the 2nd token, ``default`` ran at 0.80-1.00x ``lru`` with real reads (0.93-1.00x with compute
-in a thread) and at 0.96-1.14x on the critical path.  Judged later (whether it saved anything
-at all from the 3rd token, whether the saving paid for its hooks from the 8th: ``moe``'s
-saving on the critical path dips at the 2nd token and overtakes its cost at the 6th), it
-kept more of ``moe``'s wins on the critical path (1 cell of 48 below 0.97x instead of 3) and
-ran ``moe`` for up to 8 tokens in the real runs (0.81-1.01x ``lru`` with compute in a
-thread)."""
+"""Windows (tokens) before the first judgement. Judged from the 2nd token it ran at 0.80-1.00x
+``lru`` with real reads and 0.96-1.14x on the critical path; judged from the 3rd and 8th it
+kept more of ``moe``'s wins on the critical path but ran ``moe`` for up to 8 tokens in the real
+runs (docs/tried-and-dropped.md)."""
 
 
 class EarnedPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, WaitCostAware, RoutingAware,

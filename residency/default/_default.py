@@ -24,8 +24,8 @@ every change of state, each in one method:
 :attr:`DefaultPolicy.state` says which state it is in, why, and since which decode token.
 ``coact`` (``alternatives/coact.py``) is this machine without the ranking.
 
-Invariants (:meth:`DefaultPolicy.check`): each part's; LRU alone exactly when the eviction is
-not the ranking's, the trial is over with the prefetch off and no lookahead was seen.
+Invariants (:meth:`DefaultPolicy.check`): each part's; LRU alone only when the eviction is not
+the ranking's, the trial is over with the prefetch off and no lookahead was seen.
 """
 
 from __future__ import annotations
@@ -401,8 +401,8 @@ class DefaultPolicy(BudgetAware, ShapeAware, BatchAware, PrefetchGuard, RoutingA
         guess = prefetch is not None and prefetch.admitting == key
         p = self._walk.position_of(key)
         self._order.insert(key, p, nbytes, guess)
-        if guess:
-            prefetch.admitting = None  # type: ignore[union-attr]
+        if guess and prefetch is not None:
+            prefetch.admitting = None
         if self._s3 is not None:
             self._s3.insert(key, nbytes, guess)
         if self._ranking is not None:
