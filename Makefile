@@ -16,10 +16,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/iosched demo
 
+# The tests run on every core (pytest-xdist, -n auto); the tests that share a corpus built once,
+# or that change the machine's state (loop devices), carry an xdist_group mark and run on one
+# worker each (--dist loadgroup). One file or test runs best in-process:
+# `.venv/bin/python -m pytest tests/test_store.py`.
+PYTEST_WORKERS ?= -n auto --dist loadgroup
+
 # After the tests: the types (mypy --strict), the layer contracts (lint-imports reads
 # [tool.importlinter] in pyproject.toml; docs/design.md, "Import rules") and the lint (ruff).
 test: $(STAMP) bench-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 	$(BIN)/python -m mypy
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .

@@ -128,8 +128,8 @@ def test_a_ranking_that_costs_more_than_its_lead_could_save_retires(cycles: int,
     """Skewed routing at one and two token cycles: with each of the ranking's pieces of work
     costing 10 ms and each miss felt for 1 us, what its lead over the LRU shadow could have
     saved (plus 2 sigma, at its mean felt wait a miss) is far below what it costs.  Not before
-    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict; at one cycle too since
-    session 49); from then on, for good, LRU's order at one cycle,
+    :data:`COST_VERDICT_FROM` decode tokens (as the shadow's verdict, at one cycle as at
+    two); from then on, for good, LRU's order at one cycle,
     S3-FIFO's above (``residency/_s3fifo.py``: it keeps most of the ranking's hits there at
     LRU's cost), and the verdict gives both sides."""
     at = COST_VERDICT_FROM
@@ -206,7 +206,7 @@ def test_the_verdict_prices_the_lead_not_all_of_lrus_wait(cycles: int) -> None:
     """The verdict prices what the ranking's lead over the LRU shadow saved: each piece of its
     work costing 1 ms and each miss felt for 5 ms, its lead plus 2 sigma (here it trails the
     shadow by a few misses, within the noise) is worth less than it cost by token 16, though
-    all of LRU's felt wait (session 44's bound, the most any eviction could save) is worth
+    all of LRU's felt wait (the bound: the most any eviction could save) is worth
     more."""
     tokens = routed_tokens(REFRESH_SETTLED + 4)
     policy = costed_density(cycles * TD, step=1e-3, felt_per_miss=5e-3)
@@ -518,9 +518,9 @@ def test_what_left_the_ranking_or_came_back_is_skipped_from_its_head_for_good() 
 
 def test_retired_its_hooks_are_lrus_own_and_an_engines_lookahead_rebuilds_the_rest() -> None:
     """Retired (LRU's eviction, the prefetch off for good), the membership hooks are LRU's
-    own over the policy's order (anything more costs a retired ``default`` 0.5 % at 2.25 MiB,
-    session 48, 2-3 % at 36 KiB, session 45), and they decide exactly as ``lru`` from the same
-    state; an engine's lookahead takes the bookkeeping up again, rebuilt: the held bytes, the
+    own over the policy's order (anything more costs a retired ``default`` 0.5 % with 2.25 MiB
+    experts, 2-3 % with 36 KiB ones), and they decide exactly as ``lru`` from the same state;
+    an engine's lookahead takes the bookkeeping up again, rebuilt: the held bytes, the
     resident mask, the per-layer counts, each expert fresh to the guard."""
     policy, table = density(TD)
     tokens = routed_tokens(12)
