@@ -23,11 +23,18 @@ demo: $(STAMP)
 # `.venv/bin/python -m pytest tests/test_store.py`.
 PYTEST_WORKERS ?= -n auto --dist loadgroup
 
-# After the tests: the types (mypy --strict), the layer contracts (lint-imports reads
-# [tool.importlinter] in pyproject.toml; docs/design.md, "Import rules") and the lint (ruff).
+# The types (mypy --strict) are checked alongside the tests: the tests leave the cores idle
+# while they wait on the disk, on sleeps and on subprocesses, and mypy (~40 s from no cache, on
+# one core) fills that; its report follows the tests', and either failing fails the target.
+# Then the layer contracts (lint-imports reads [tool.importlinter] in pyproject.toml;
+# docs/design.md, "Import rules") and the lint (ruff).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not bench"
-	$(BIN)/python -m mypy
+	@echo "$(BIN)/python -m mypy > $(VENV)/mypy.log (alongside the tests)"
+	@$(BIN)/python -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	echo '$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not bench"'; \
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not bench"; tests=$$?; \
+	wait $$mypy; types=$$?; echo "$(BIN)/python -m mypy:"; cat $(VENV)/mypy.log; \
+	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
