@@ -190,12 +190,12 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _cache_dir_of_the_session(cache_dir: Path) -> Iterator[None]:
     """Every command the tests run, in this process or in a child process, caches under
     :func:`cache_dir`, never under the user's ``~/.cache/iosched``."""
-    from iosched import _settings
+    from iosched import override_settings
 
     saved = os.environ.get("IOSCHED_CACHE_DIR")
     os.environ["IOSCHED_CACHE_DIR"] = str(cache_dir)
     try:
-        with _settings.override(cache_dir=str(cache_dir)):
+        with override_settings(cache_dir=str(cache_dir)):
             yield
     finally:
         if saved is None:
