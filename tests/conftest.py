@@ -36,6 +36,30 @@ def loop_factories() -> dict[str, LoopFactory]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory()}
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything collection made (the test modules and what they import, torch and
+    transformers among them: a few hundred thousand objects) lives for the whole session:
+    ``gc.freeze()`` takes it out of the collector's sight, so that the full collections during
+    the tests (the views' finalizer tests call ``gc.collect()``, and hypothesis' stateful runs
+    trigger many) walk only what the tests made."""
+    import gc
+
+    gc.freeze()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a pytest-xdist worker under ``--dist loadgroup`` (``make test``), a test with an
+    ``xdist_group`` mark must carry its group in its node id, which is all the scheduler sees.
+    A pytest on which pytest-xdist cannot add it (pytest-xdist issue 1386) spreads a group
+    over the workers: the corpus built on each, the loop-device tests side by side.  Each
+    such test fails, saying so, instead of passing slower or flaking."""
+    if (getattr(item.config.option, "loadgroup", False)  # set on xdist's workers only
+            and item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid):
+        pytest.fail(f"pytest-xdist did not apply this test's xdist_group mark on pytest {pytest.__version__}: "
+                    "install the pytest the [test] extra allows (pyproject.toml), or run without --dist loadgroup",
+                    pytrace=False)
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, LoopFactory]:
     return loop_factories()
 
@@ -102,8 +126,8 @@ def drop_page_cache(path: str | os.PathLike[str], offset: int = 0, length: int =
     finally:
         os.close(fd)
     if cached_pages(path, offset, length):
-        # (a partial drop too: twice on a fresh clone's CI run the mmap backend called such a
-        # range cached; a range the kernel keeps cannot stand for a drive read)
+        # (a partial drop too: the mmap backend would call such a range cached; a range the
+        # kernel keeps cannot stand for a drive read)
         pytest.skip(f"the kernel keeps {path}'s pages [{offset}, +{length or 'end'}) cached after "
                     "POSIX_FADV_DONTNEED (tmpfs, or mapped elsewhere)")
 
@@ -150,6 +174,34 @@ def st_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gguf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "moe.gguf"
     return write_gguf_moe(path, n_layers=LAYERS, n_experts=EXPERTS, hidden=HIDDEN, intermediate=INTER, seed=2)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache folder of the whole test session (one per xdist worker): where the commands
+    build their checkpoints on first use (the demo's, the replay's, the soak's), so each is
+    written once and reused by every test that runs that command, as a user's second run
+    reuses it.  A test that checks where a command builds, or that it builds nothing, gives
+    the command a ``tmp_path`` of its own instead."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir_of_the_session(cache_dir: Path) -> Iterator[None]:
+    """Every command the tests run, in this process or in a child process, caches under
+    :func:`cache_dir`, never under the user's ``~/.cache/iosched``."""
+    from iosched import override_settings
+
+    saved = os.environ.get("IOSCHED_CACHE_DIR")
+    os.environ["IOSCHED_CACHE_DIR"] = str(cache_dir)
+    try:
+        with override_settings(cache_dir=str(cache_dir)):
+            yield
+    finally:
+        if saved is None:
+            del os.environ["IOSCHED_CACHE_DIR"]
+        else:
+            os.environ["IOSCHED_CACHE_DIR"] = saved
 
 
 @pytest.fixture

@@ -146,8 +146,8 @@ async def test_the_misses_are_read_before_the_engine_computes_on_the_loop(st_che
 async def test_with_io_uring_the_misses_reach_the_kernel_before_the_engine_computes(st_checkpoint: Path) -> None:
     """io_uring submits the reads started in a turn of the loop at the next turn
     (``Caps.TURN_BATCHED``): entering waits for that turn too, else an engine computing on the
-    loop leaves its reads queued in the ring until its next await (session 33: with the real
-    compute on the loop, the felt wait was 3x that of O_DIRECT threads)."""
+    loop leaves its reads queued in the ring until its next await (with the real compute on
+    the loop, that is three times the felt wait of O_DIRECT threads)."""
     from iosched import backends
     from iosched.backends.uring import UringBackend
 
@@ -248,8 +248,8 @@ async def test_on_the_loop_the_batch_end_work_lets_a_result_on_its_way_through_f
         st_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine computing on the loop finds, at its next wait, a read that finished meanwhile:
     the batch-end work queued at the group's entry lets that result reach the engine first
-    and runs in its next wait of the group (session 40: it held the engine ~200 us in 28 % of
-    qwen's batches)."""
+    and runs in its next wait of the group (run first, it would hold the engine ~200 us in
+    28 % of the qwen trace's batches)."""
     events, put_off = await _one_read_landed_while_computing_on_the_loop(st_checkpoint, monkeypatch, [(3, 2)])
     assert events == [(3, 1), "end_batch", (3, 2)]
     assert put_off == 1

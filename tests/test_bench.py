@@ -2,7 +2,9 @@
 
 Throughput numbers on a CI machine mean nothing, so the tests check the shape and the sense
 of the output (keys and types, bytes > 0, p50 <= p99, row counts, a PNG, a fio ratio) and
-the errors a user meets first (a missing file, a bad size), not speed.
+the errors a user meets first (a missing file, a bad size), not speed.  The fio ratio needs
+fio, which the benchmark's set-up installs (``make bench-deps``): it is a ``bench`` test, run
+by ``make bench-tests`` and ``make bench``, not by ``make test``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def test_sweep_skips_what_cannot_run(data_file: str, capsys: pytest.CaptureFixtu
     assert out["sweep"] == []
 
 
-@pytest.mark.skipif(fio_binary() is None, reason="fio is not installed (apt-get install fio)")
+@pytest.mark.bench
+@pytest.mark.skipif(fio_binary() is None, reason="fio is not installed (apt-get install fio, or make bench-deps)")
 def test_fio_ratio(data_file: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, ["--file", data_file, "--backend", "pread", "--bs", "1M", "--qd", "2",
                             "--fio", *FAST])

@@ -1,8 +1,8 @@
 """``cachestat(2)`` and the page-cache tier it gates (``backends/_cachestat.py``).
 
-``preadv2(RWF_NOWAIT)`` starts readahead on a miss, and this VM's virtio disk can finish it
-inside the call: 2 of 40 reads of a dropped range came back whole (2026-12-02), which made
-``read_tiered`` call a drive read cached.  These tests hold the kernel's answer to what
+``preadv2(RWF_NOWAIT)`` starts readahead on a miss, and a fast disk (a virtio disk, say) can
+finish it inside the call: a read of a dropped range can come back whole (2 in 40 can), and
+``read_tiered`` must not call such a drive read cached.  These tests hold the kernel's answer to what
 ``mincore`` says, and the tier to "a dropped range is never cached", many times over."""
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def test_demo_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert any(p.name.startswith("demo-") for p in tmp_path.iterdir())
 
 
-def test_demo_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path)):
+def test_demo_table(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir)):
         assert main(["demo", "--tokens", "2", "--compute-ms", "0", "--trace", "gemma"]) == 0
     text = capsys.readouterr().out
     for label in ("tokens/s", "hit rate", "felt wait", "read service time", "bytes read", "per device"):

@@ -125,8 +125,8 @@ async def test_the_handwritten_arm_serves_the_stores_bytes_within_its_budget(tmp
 async def test_the_handwritten_arm_leaves_nothing_in_the_page_cache(tmp_path: Path) -> None:
     """With ``drop_behind`` the arm's memory is its budget: no page of the checkpoint stays
     cached, neither the index's header reads, nor a range's partial end pages, nor readahead
-    past the range (this VM's disk reads ahead 8 MiB: before the fix a qwen run at 162 MiB of
-    budget left 510 MiB of the checkpoint cached, 2026-12-02)."""
+    past the range (on a disk that reads ahead 8 MiB, a qwen run at 162 MiB of budget would
+    otherwise leave 510 MiB of the checkpoint cached)."""
     write_safetensors_moe(tmp_path, n_layers=3, n_experts=8, hidden=256, intermediate=96, n_shards=2)
     index = load_index(tmp_path)
     paths = [str(p) for p in index.files]
@@ -147,8 +147,8 @@ async def test_the_handwritten_arm_leaves_nothing_in_the_page_cache(tmp_path: Pa
     assert [cached_pages(path) for path in paths] == [0] * len(paths)
 
 
-def test_replay_sleep_compute_and_the_handwritten_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path)):
+def test_replay_sleep_compute_and_the_handwritten_row(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir)):
         out = run_json(capsys, ["gemma", "--cycles", "1", "--policy", "lru,handwritten", "--tokens", "3",
                                 "--compute", "sleep:2", "--json"])
     assert out["compute"] == "sleep:2" and out["compute_ms"] == 2 and out["compute_on"] is None
@@ -162,8 +162,8 @@ def test_replay_sleep_compute_and_the_handwritten_row(tmp_path: Path, capsys: py
     assert hand["decode_hits"] == lru["decode_hits"] and hand["bytes_read"] == lru["bytes_read"]
 
 
-def test_replay_numpy_compute_on_the_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path)):
+def test_replay_numpy_compute_on_the_loop(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir)):
         out = run_json(capsys, ["gemma", "--cycles", "1", "--policy", "lru", "--tokens", "2",
                                 "--compute-on", "loop", "--json"])
     assert out["compute"] == "numpy" and out["compute_on"] == "loop"
@@ -189,8 +189,8 @@ def test_bad_compute_options_are_one_json_error(argv: list[str], capsys: pytest.
     assert out["type"] == "UsageError" and "--compute" in out["error"]
 
 
-def test_demo_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path)):
+def test_demo_side_by_side(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir)):
         assert main(["demo", "--json", "--tokens", "3", "--trace", "gemma", "--rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [a["arm"] for a in out["arms"]] == ["default", "lru", "handwritten"]
@@ -201,20 +201,20 @@ def test_demo_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert fastest in out["verdict"]
     if fastest != "default":
         assert "default does not win" in out["verdict"]
-    with _settings.override(cache_dir=str(tmp_path)):
+    with _settings.override(cache_dir=str(cache_dir)):
         assert main(["demo", "--json", "--tokens", "2", "--trace", "gemma", "--compare", "none",
                      "--compute", "sleep:0"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert [a["arm"] for a in alone["arms"]] == ["default"] and alone["compute"] == "sleep:0"
 
 
-def test_drive_engine_still_takes_seconds(tmp_path: Path) -> None:
+def test_drive_engine_still_takes_seconds(cache_dir: Path) -> None:
     """Callers that pass a number of seconds (the emulation) keep working."""
     from iosched.tools import demo
     from iosched.tools.trace import load_bundled_trace
 
     trace = load_bundled_trace("gemma")
-    folder = demo.demo_checkpoint(trace, tmp_path)
+    folder = demo.demo_checkpoint(trace, cache_dir)
 
     async def go() -> demo.EngineRun:
         async with await ExpertStore.open(folder, budget_bytes=1 << 24, backend="pread") as store:

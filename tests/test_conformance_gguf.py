@@ -18,6 +18,9 @@ import pytest
 
 from tests import _gguf_corpus as corpus
 
+pytestmark = pytest.mark.xdist_group("gguf_corpus")
+"""One worker runs the module under pytest-xdist (--dist loadgroup): the corpus is written once."""
+
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[corpus.Prepared]]:

@@ -61,7 +61,11 @@ from iosched.formats._safetensors_index import INDEX_JSON, load_folder
 from tests import _hf_corpus as hc
 from tests.test_checkpoint import _raises as _refused
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning"),
+    # one worker runs the module under pytest-xdist (--dist loadgroup): the corpus is built once
+    pytest.mark.xdist_group("hf_corpus"),
+]
 
 MIN_OPEN = 40
 """Layouts of the corpus that must open byte-exact (the issue's aim)."""
@@ -109,7 +113,28 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
             built.outcomes[e.model_type] = load_folder(e.folder)
         except CheckpointError as exc:
             built.outcomes[e.model_type] = exc
+    # The modeling modules the build imported stay for the session: out of the collector's
+    # sight, as collection's imports are (conftest.pytest_collection_finish).
+    import gc
+
+    gc.collect()
+    gc.freeze()
     return built
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The tiny models' forward passes on one thread, as the corpus is built: their matrices
+    are far too small for threads to pay, and under ``make test`` each core runs a test
+    worker of its own."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def expected_tensor(ref: dict[str, npt.NDArray[Any]], source_name: str) -> npt.NDArray[Any]:

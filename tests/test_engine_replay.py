@@ -56,8 +56,8 @@ def test_real_replay_gemma_three_tokens(tmp_path: Path, capsys: pytest.CaptureFi
     assert row["hits"] == row["store_hits"] + row["single_flight_joins"]
 
 
-def test_real_replay_auto_budget_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path), auto_start_cycles=1):
+def test_real_replay_auto_budget_row(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir), auto_start_cycles=1):
         out = run_json(capsys, ["gemma", "--cycles", "1", "--policy", "lru", "--tokens", "8",
                                 "--compute-ms", "0", "--auto-budget", "--json"])
     fixed, auto = out["results"]
@@ -137,11 +137,11 @@ def test_a_bad_scale_is_named(tmp_path: Path, scale: object) -> None:
 
 
 def test_resident_plays_every_arm_fully_resident_token_by_token(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--resident``: every arm loaded whole, then the same tokens on each: nothing misses
     after the load, each arm times every decode token, and the first arm is the paired
     ratios' reference."""
-    with _settings.override(cache_dir=str(tmp_path)):
+    with _settings.override(cache_dir=str(cache_dir)):
         out = run_json(capsys, ["gemma", "--resident", "--policy", "lru,default,handwritten",
                                 "--tokens", "3", "--compute", "sleep:0", "--json"])
     assert out["mode"] == "resident" and out["reference"] == "lru" and out["tokens"] == 3
@@ -159,8 +159,8 @@ def test_resident_plays_every_arm_fully_resident_token_by_token(
 
 
 def test_resident_refuses_a_budget_that_does_not_hold_the_checkpoint(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with _settings.override(cache_dir=str(tmp_path)):
+        cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _settings.override(cache_dir=str(cache_dir)):
         out = run_json(capsys, ["gemma", "--resident", "--cycles", "1", "--policy", "lru,default",
                                 "--tokens", "1", "--compute", "sleep:0", "--json"], status=2)
     assert "do not hold the checkpoint" in out["error"] and "--cycles 21.34 or more" in out["error"]
@@ -186,11 +186,11 @@ def test_resident_groups_are_whole_tokens_and_prompt_batches() -> None:
 
 
 def test_paired_plays_every_arm_cold_token_by_token(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--paired``: the arms open empty, play the same tokens in turn, and each row says what
     its own arm read; lru and the hand-written engine, both LRUs of the same budget, hit the
     same requests (the paired design changes when a token runs, not what it routes)."""
-    with _settings.override(cache_dir=str(tmp_path)):
+    with _settings.override(cache_dir=str(cache_dir)):
         out = run_json(capsys, ["gemma", "--paired", "--cycles", "1,4", "--policy", "lru,default,handwritten",
                                 "--tokens", "3", "--compute", "sleep:0", "--json"])
     assert out["mode"] == "paired" and out["reference"] == "lru" and out["tokens"] == 3 and out["cold"]

@@ -129,7 +129,7 @@ def test_coactivation_learns_a_deterministic_pairing() -> None:
 
 def test_coactivation_predicts_the_shrunk_mean_of_the_conditionals() -> None:
     """``predict`` is the mean over the picks of (counts + k x popularity) / (picks + 1),
-    capped at 1, whatever way it is computed (one matrix-vector product since session 25);
+    capped at 1, whatever way it is computed (here: one matrix-vector product);
     a pick never seen adds popularity alone, and all picks unseen is ``None``."""
     rng = np.random.default_rng(5)
     co = CoActivation(n_layers=3, n_expert=16)

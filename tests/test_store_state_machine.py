@@ -538,6 +538,6 @@ def test_store_state_machine(checkpoint: Checkpoint, policy: str, loop_name: str
     # Hypothesis first digests the machine's source (inspect.getsource, hence ast.parse). A
     # failed task left by an earlier test, collected during that parse, logs from its
     # finalizer, and CPython 3.11 then aborts the parse ("SystemError: AST constructor
-    # recursion depth mismatch", seen once in CI): collect such garbage before, not during.
+    # recursion depth mismatch"): collect such garbage before, not during.
     gc.collect()
     run_state_machine_as_test(machine, settings=SETTINGS)

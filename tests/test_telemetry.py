@@ -179,9 +179,9 @@ async def test_no_telemetry_by_default(st_checkpoint: Path, tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
-def test_demo_telemetry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_telemetry(tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo.jsonl"
-    with _settings.override(cache_dir=str(tmp_path / "cache")):
+    with _settings.override(cache_dir=str(cache_dir)):
         assert main(["demo", "--json", "--tokens", "3", "--compute-ms", "0", "--trace", "gemma",
                      "--telemetry", str(out)]) == 0
     result = json.loads(capsys.readouterr().out)

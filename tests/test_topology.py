@@ -231,6 +231,11 @@ def test_mountinfo_parsing(tmp_path: Path) -> None:
 # real loop, overlay and btrfs mounts (root only)
 
 
+LOOP_DEVICES = pytest.mark.xdist_group("loop_devices")
+"""Tests that attach loop devices and mount filesystems (machine state, not a folder of their
+own) run one after another on one pytest-xdist worker (--dist loadgroup)."""
+
+
 def _sh(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout.strip()
 
@@ -265,6 +270,7 @@ def _loop_fs(tmp_path: Path, fstype: str, size: int = 64 << 20) -> Iterator[tupl
         subprocess.run(["losetup", "-d", loop], check=False, timeout=60)
 
 
+@LOOP_DEVICES
 def test_loop_device_and_its_backing_drive(tmp_path: Path) -> None:
     with _loop_fs(tmp_path, "ext4") as (loop, mnt):
         f = _write(mnt / "x.bin", 8192)
@@ -277,6 +283,7 @@ def test_loop_device_and_its_backing_drive(tmp_path: Path) -> None:
         assert drive.memory_backed == (dio == "0")  # buffered loop: reads hit the image's page cache
 
 
+@LOOP_DEVICES
 def test_overlay_resolves_the_layer_holding_the_file(tmp_path: Path) -> None:
     with _loop_fs(tmp_path, "ext4") as (loop, mnt):
         lower, upper, work, merged = tmp_path / "lower", mnt / "upper", mnt / "work", tmp_path / "merged"
@@ -299,6 +306,7 @@ def test_overlay_resolves_the_layer_holding_the_file(tmp_path: Path) -> None:
             subprocess.run(["umount", str(merged)], check=False, timeout=60)
 
 
+@LOOP_DEVICES
 def test_btrfs_subvolume_resolves_to_its_device(tmp_path: Path) -> None:
     with _loop_fs(tmp_path, "btrfs", 128 << 20) as (loop, mnt):
         if shutil.which("btrfs") is None:
