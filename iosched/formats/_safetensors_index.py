@@ -29,6 +29,7 @@ identical and the caller reinterprets them. Any other unknown dtype on an expert
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import struct
@@ -92,7 +93,11 @@ _ITEMSIZE = {
 }  # fmt: skip
 
 
-def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
+@functools.cache
+def numpy_dtypes() -> dict[str, np.dtype[Any]]:
+    """safetensors dtype string -> numpy dtype (see the module docstring for BF16/F8). Made at
+    the first index built, not at import: ``ml_dtypes``' extension takes 0.6 s to load, which
+    every ``import iosched`` paid."""
     out: dict[str, np.dtype[Any]] = {
         "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
         "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
@@ -111,10 +116,6 @@ def _numpy_dtypes() -> dict[str, np.dtype[Any]]:
     out["F8_E5M2"] = np.dtype(ml_dtypes.float8_e5m2)
     out["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)  # MXFP4 scales (gpt-oss)
     return out
-
-
-NUMPY_DTYPES = _numpy_dtypes()
-"""safetensors dtype string -> numpy dtype (see the module docstring for BF16/F8)."""
 
 
 @dataclass(frozen=True)
@@ -533,9 +534,10 @@ def _stack_offsets(found: list[_Candidate], most_layer: dict[str, int], skips: _
 
 
 def _dtype(shard: Path, entry: HeaderEntry) -> np.dtype[Any]:
-    dtype = NUMPY_DTYPES.get(entry.dtype)
+    dtypes = numpy_dtypes()
+    dtype = dtypes.get(entry.dtype)
     if dtype is None:
-        known = ", ".join(sorted(NUMPY_DTYPES))
+        known = ", ".join(sorted(dtypes))
         raise CheckpointError(
             f"{shard}: tensor {quote(entry.name)} has unsupported dtype {quote(entry.dtype)} "
             f"(supported: {known})"
